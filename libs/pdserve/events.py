@@ -1,0 +1,191 @@
+"""The lifecycle events: a closed, versioned set (schema v1).
+
+Every step of every request is one `Event` published to JetStream on `pds.events.<request_id>.<type>`
+with `Nats-Msg-Id = event_id` (deduplication), recorded by the recorder into Postgres. Several services
+write events of one request; their order is the JetStream stream sequence.
+
+The envelope is typed; the payload is one of the `Payload` classes below, chosen by `type`. An event of
+an unknown type or a newer `schema_version` still parses (payload kept as a dict): nothing is dropped.
+"""
+
+from __future__ import annotations
+
+import time
+from typing import Any, ClassVar
+
+from pydantic import BaseModel, ConfigDict, Field
+
+from pdserve.ids import new_id
+from pdserve.messages import CandidateCost, FinishReason
+
+SCHEMA_VERSION = 1
+
+
+class Payload(BaseModel):
+    model_config = ConfigDict(frozen=True, extra="allow")
+    type: ClassVar[str]
+
+
+class RequestReceived(Payload):
+    type: ClassVar[str] = "RequestReceived"
+    model: str
+    endpoint: str
+    num_prompt_tokens: int
+    max_tokens: int
+    stream: bool
+
+
+class RequestRouted(Payload):
+    type: ClassVar[str] = "RequestRouted"
+    mode: str
+    prefill_worker_id: str
+    decode_worker_id: str
+    candidates: list[CandidateCost]
+    predicted_cached_tokens: int
+    best_cached_tokens: int
+    route_s: float
+
+
+class DecodeReserved(Payload):
+    type: ClassVar[str] = "DecodeReserved"
+    decode_worker_id: str
+    transfer_id: str
+    num_tokens: int
+    reserve_s: float
+
+
+class AdmissionDeferred(Payload):
+    type: ClassVar[str] = "AdmissionDeferred"
+    decode_worker_id: str
+    reason: str
+
+
+class PrefillStarted(Payload):
+    type: ClassVar[str] = "PrefillStarted"
+    prefill_worker_id: str
+    transfer_id: str
+    num_prompt_tokens: int
+
+
+class PrefillCompleted(Payload):
+    type: ClassVar[str] = "PrefillCompleted"
+    prefill_worker_id: str
+    transfer_id: str
+    first_token_id: int
+    num_cached_tokens: int
+    num_computed_tokens: int
+    kv_bytes: int
+    prefill_s: float
+
+
+class TransferCompleted(Payload):
+    type: ClassVar[str] = "TransferCompleted"
+    transfer_id: str
+    transport: str
+    kv_bytes: int
+    num_layers: int
+    transfer_s: float
+    checksum_ok: bool
+
+
+class ChecksumMismatch(Payload):
+    type: ClassVar[str] = "ChecksumMismatch"
+    transfer_id: str
+    layer: int
+    expected: str
+    actual: str
+
+
+class DecodeStarted(Payload):
+    type: ClassVar[str] = "DecodeStarted"
+    decode_worker_id: str
+    num_running: int
+
+
+class TokensCommitted(Payload):
+    type: ClassVar[str] = "TokensCommitted"
+    start_index: int
+    token_ids: list[int]
+
+
+class TTFTBreakdown(BaseModel):
+    """Seconds from the gateway's receive to the first token leaving the decode worker, by phase."""
+
+    queue_s: float
+    route_s: float
+    reserve_s: float
+    prefill_s: float
+    exposed_transfer_s: float
+    first_token_s: float
+    ttft_s: float
+
+
+class RequestCompleted(Payload):
+    type: ClassVar[str] = "RequestCompleted"
+    finish_reason: FinishReason
+    prompt_tokens: int
+    completion_tokens: int
+    ttft: TTFTBreakdown
+    e2e_s: float
+
+
+class RequestFailed(Payload):
+    type: ClassVar[str] = "RequestFailed"
+    phase: str
+    reason: str
+
+
+class RequestAborted(Payload):
+    type: ClassVar[str] = "RequestAborted"
+    reason: str
+
+
+PAYLOAD_TYPES: dict[str, type[Payload]] = {
+    cls.type: cls
+    for cls in (
+        RequestReceived,
+        RequestRouted,
+        DecodeReserved,
+        AdmissionDeferred,
+        PrefillStarted,
+        PrefillCompleted,
+        TransferCompleted,
+        ChecksumMismatch,
+        DecodeStarted,
+        TokensCommitted,
+        RequestCompleted,
+        RequestFailed,
+        RequestAborted,
+    )
+}
+TERMINAL_TYPES = frozenset({"RequestCompleted", "RequestFailed", "RequestAborted"})
+
+
+class Event(BaseModel):
+    """The envelope every event travels and is stored in."""
+
+    model_config = ConfigDict(frozen=True)
+
+    event_id: str = Field(default_factory=new_id)
+    request_id: str
+    type: str
+    schema_version: int = SCHEMA_VERSION
+    ts: float = Field(default_factory=time.time, description="UTC UNIX seconds, µs resolution.")
+    service: str
+    worker_id: str | None = None
+    trace_id: str | None = None
+    span_id: str | None = None
+    payload: dict[str, Any]
+
+    @classmethod
+    def of(cls, request_id: str, payload: Payload, *, service: str, worker_id: str | None = None,
+           trace_id: str | None = None, span_id: str | None = None) -> Event:
+        return cls(request_id=request_id, type=payload.type, service=service, worker_id=worker_id,
+                   trace_id=trace_id, span_id=span_id, payload=payload.model_dump(mode="json"))
+
+    def typed_payload(self) -> Payload | None:
+        """The payload as its class, or None for an unknown type or a newer schema version."""
+        cls = PAYLOAD_TYPES.get(self.type)
+        if cls is None or self.schema_version > SCHEMA_VERSION:
+            return None
+        return cls.model_validate(self.payload)

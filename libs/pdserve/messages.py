@@ -1,0 +1,289 @@
+"""Every message that crosses a process boundary, and the NATS subject it travels on.
+
+Each command subject has exactly one request type and one reply type. A handler that refuses a command
+replies with `Rejected` instead (the bus raises it as `RejectedError` on the caller's side), so a caller
+always gets either its reply type or a typed reason. Payloads are JSON (pydantic v2).
+
+Subjects (prefix `pds` by default, configurable so tests can share a server):
+
+| subject                          | request          | reply             | from → to               |
+|----------------------------------|------------------|-------------------|-------------------------|
+| pds.coord.submit                 | Submit           | Accepted          | gateway → coordinator   |
+| pds.coord.abort                  | Abort            | Ack               | gateway → coordinator   |
+| pds.coord.finished               | DecodeFinished   | Ack               | decode → coordinator    |
+| pds.router.route                 | RouteRequest     | RouteDecision     | coordinator → router    |
+| pds.worker.<id>.reserve          | ReserveRequest   | Reservation       | coordinator → decode    |
+| pds.worker.<id>.prefill          | PrefillRequest   | PrefillResult     | coordinator → prefill   |
+| pds.worker.<id>.start            | StartDecode      | DecodeAdmitted    | coordinator → decode    |
+| pds.worker.<id>.release          | Release          | Ack               | coordinator → workers   |
+| pds.heartbeat.<id>    (publish)  | Heartbeat        | —                 | workers → router        |
+| pds.tokens.<request_id> (publish)| TokenChunk       | —                 | decode/coord → gateway  |
+| pds.events.<request_id>.<type>   | events.Event     | JetStream ack     | everyone → recorder     |
+"""
+
+from __future__ import annotations
+
+from enum import StrEnum
+from typing import Literal
+
+from pydantic import BaseModel, ConfigDict, Field
+
+
+class Message(BaseModel):
+    """Base of every wire message: immutable, unknown fields rejected."""
+
+    model_config = ConfigDict(frozen=True, extra="forbid")
+
+
+# ---------------------------------------------------------------- subjects
+
+
+class Subjects:
+    """All subject names, built from one prefix."""
+
+    def __init__(self, prefix: str = "pds") -> None:
+        self.prefix = prefix
+
+    @property
+    def submit(self) -> str:
+        return f"{self.prefix}.coord.submit"
+
+    @property
+    def abort(self) -> str:
+        return f"{self.prefix}.coord.abort"
+
+    @property
+    def finished(self) -> str:
+        return f"{self.prefix}.coord.finished"
+
+    @property
+    def route(self) -> str:
+        return f"{self.prefix}.router.route"
+
+    def worker(self, worker_id: str, command: Literal["reserve", "prefill", "start", "release"]) -> str:
+        return f"{self.prefix}.worker.{worker_id}.{command}"
+
+    def heartbeat(self, worker_id: str = "*") -> str:
+        return f"{self.prefix}.heartbeat.{worker_id}"
+
+    def tokens(self, request_id: str) -> str:
+        return f"{self.prefix}.tokens.{request_id}"
+
+    def event(self, request_id: str, event_type: str) -> str:
+        return f"{self.prefix}.events.{request_id}.{event_type}"
+
+    @property
+    def all_events(self) -> str:
+        return f"{self.prefix}.events.>"
+
+
+# ---------------------------------------------------------------- shared parts
+
+
+class Role(StrEnum):
+    PREFILL = "prefill"
+    DECODE = "decode"
+    UNIFIED = "unified"
+
+
+class FinishReason(StrEnum):
+    STOP = "stop"  # EOS, a stop token or a stop string
+    LENGTH = "length"  # max_tokens or the model's context
+    ABORT = "abort"  # client went away or the request was cancelled
+
+
+class SamplingParams(Message):
+    """Sampling as in vLLM's `SamplingParams`. temperature 0 = greedy."""
+
+    max_tokens: int = Field(16, ge=1)
+    temperature: float = Field(1.0, ge=0.0, le=2.0)
+    top_p: float = Field(1.0, gt=0.0, le=1.0)
+    top_k: int = Field(-1, ge=-1, description="-1 = all tokens")
+    seed: int | None = None
+    stop_token_ids: tuple[int, ...] = ()
+    ignore_eos: bool = False
+
+
+class CompatibilityDescriptor(Message):
+    """What must match for a prefill worker's KV to be usable by a decode worker (DESIGN §5)."""
+
+    model: str
+    weights_hash: str
+    dtype: str
+    block_size: int
+    num_layers: int
+    num_kv_heads: int
+    head_dim: int
+    hash_seed: int
+    layout_version: int
+
+
+# ---------------------------------------------------------------- replies shared by many subjects
+
+
+class Ack(Message):
+    ok: bool = True
+
+
+class RejectCode(StrEnum):
+    INVALID = "invalid"  # the request failed validation
+    CAPACITY = "capacity"  # no room now (decode full); retry later
+    NOT_FOUND = "not_found"  # unknown request / transfer
+    DUPLICATE = "duplicate"  # id already seen
+    NO_WORKERS = "no_workers"  # nothing registered can serve it
+    TRANSFER_FAILED = "transfer_failed"  # KV did not arrive verified
+    INTERNAL = "internal"
+
+
+class Rejected(Message):
+    """The typed refusal any handler may reply with instead of its reply type."""
+
+    code: RejectCode
+    message: str
+
+
+# ---------------------------------------------------------------- gateway ↔ coordinator
+
+
+class Submit(Message):
+    request_id: str
+    model: str
+    prompt_token_ids: tuple[int, ...] = Field(min_length=1)
+    sampling: SamplingParams
+    received_ts: float = Field(description="Gateway's receive time, UNIX seconds.")
+
+
+class Accepted(Message):
+    request_id: str
+
+
+class Abort(Message):
+    request_id: str
+    reason: str
+
+
+class TokenChunk(Message):
+    """Tokens of one request, streamed on pds.tokens.<request_id>. `index` is the position of
+    `token_ids[0]` in the output, so a receiver can drop repeats and detect gaps. The last chunk has
+    `finish_reason` (completed) or `error` (failed) set."""
+
+    request_id: str
+    index: int = Field(ge=0)
+    token_ids: tuple[int, ...] = ()
+    finish_reason: FinishReason | None = None
+    error: str | None = None
+
+
+# ---------------------------------------------------------------- coordinator ↔ router
+
+
+class RouteRequest(Message):
+    request_id: str
+    num_prompt_tokens: int = Field(ge=1)
+
+
+class CandidateCost(Message):
+    worker_id: str
+    role: Role
+    cost: float
+    active_requests: int
+    kv_usage: float = Field(description="Fraction of KV capacity in use, 0..1.")
+
+
+class RouteDecision(Message):
+    request_id: str
+    mode: Literal["disaggregated", "local", "colocated"]
+    prefill_worker_id: str
+    decode_worker_id: str
+    candidates: tuple[CandidateCost, ...]
+    predicted_cached_tokens: int = 0
+    best_cached_tokens: int = 0
+
+
+# ---------------------------------------------------------------- coordinator ↔ workers
+
+
+class KVEndpoint(Message):
+    """Where a decode worker receives KV: transport kind and its address (base64 UCX worker address,
+    or host:port for tcp)."""
+
+    transport: Literal["ucxx", "tcp"]
+    address: str
+
+
+class ReserveRequest(Message):
+    request_id: str
+    transfer_id: str
+    num_prompt_tokens: int = Field(ge=1)
+    max_tokens: int = Field(ge=1)
+    lease_s: float = Field(gt=0, description="The reservation expires unless started before then.")
+
+
+class Reservation(Message):
+    request_id: str
+    transfer_id: str
+    worker_id: str
+    endpoint: KVEndpoint
+    num_tokens: int = Field(description="KV slots reserved: prompt + max_tokens.")
+
+
+class PrefillRequest(Message):
+    request_id: str
+    transfer_id: str
+    prompt_token_ids: tuple[int, ...] = Field(min_length=1)
+    sampling: SamplingParams
+    decode_worker_id: str
+    endpoint: KVEndpoint
+
+
+class PrefillResult(Message):
+    request_id: str
+    transfer_id: str
+    first_token_id: int
+    num_cached_tokens: int
+    num_computed_tokens: int
+    kv_bytes: int
+    prefill_s: float
+
+
+class StartDecode(Message):
+    request_id: str
+    transfer_id: str
+    first_token_id: int
+    prompt_token_ids: tuple[int, ...]
+    sampling: SamplingParams
+
+
+class DecodeAdmitted(Message):
+    request_id: str
+    worker_id: str
+    transfer_bytes: int
+    transfer_s: float = Field(description="First byte expected (reserve) → last layer verified.")
+
+
+class Release(Message):
+    request_id: str
+    reason: str = "finished"
+
+
+class DecodeFinished(Message):
+    request_id: str
+    worker_id: str
+    finish_reason: FinishReason
+    num_output_tokens: int
+    first_token_ts: float
+    last_token_ts: float
+
+
+# ---------------------------------------------------------------- heartbeats
+
+
+class Heartbeat(Message):
+    worker_id: str
+    role: Role
+    descriptor: CompatibilityDescriptor
+    num_running: int
+    num_waiting: int
+    kv_capacity_tokens: int
+    kv_free_tokens: int
+    ts: float

@@ -1,0 +1,96 @@
+"""Real NATS and Postgres for every test that needs them (DESIGN §7).
+
+Providers, in order: `PDS_TEST_NATS_URL` / `PDS_TEST_DATABASE_URL` (CI points them at the machine's own
+servers); testcontainers when a Docker engine answers; the embedded servers (`pdserve.embedded`)
+otherwise. Each test run gets its own database, JetStream stream and subject prefix, so runs sharing a
+server never see each other's messages.
+"""
+
+from __future__ import annotations
+
+import os
+import uuid
+from collections.abc import Iterator
+
+import pytest
+
+from pdserve.config import CommonSettings
+
+
+def _docker_available() -> bool:
+    try:
+        import docker
+
+        docker.from_env(timeout=3).ping()
+        return True
+    except Exception:
+        return False
+
+
+@pytest.fixture(scope="session")
+def run_id() -> str:
+    return uuid.uuid4().hex[:8]
+
+
+@pytest.fixture(scope="session")
+def nats_url(tmp_path_factory) -> Iterator[str]:
+    if url := os.environ.get("PDS_TEST_NATS_URL"):
+        yield url
+        return
+    if _docker_available():
+        from testcontainers.nats import NatsContainer
+
+        with NatsContainer(jetstream=True) as c:
+            yield c.nats_uri()
+        return
+    from pdserve.embedded import start_nats
+
+    server = start_nats(store_dir=tmp_path_factory.mktemp("nats"))
+    try:
+        yield server.url
+    finally:
+        server.stop()
+
+
+@pytest.fixture(scope="session")
+def postgres_admin_url(tmp_path_factory) -> Iterator[str]:
+    """A SQLAlchemy asyncpg URL to the server's `postgres` database (used to create per-run databases)."""
+    if url := os.environ.get("PDS_TEST_DATABASE_URL"):
+        yield url
+        return
+    if _docker_available():
+        from testcontainers.postgres import PostgresContainer
+
+        with PostgresContainer("postgres:16", driver="asyncpg") as c:
+            yield c.get_connection_url()
+        return
+    from pdserve.embedded import start_postgres
+
+    server = start_postgres(data_dir=tmp_path_factory.mktemp("pg"))
+    try:
+        yield server.url
+    finally:
+        server.stop()
+
+
+@pytest.fixture(scope="session")
+def database_url(postgres_admin_url: str, run_id: str) -> Iterator[str]:
+    """A fresh database for this run, migrated to head with Alembic."""
+    from pdserve.store.migrate import create_database, drop_database, upgrade
+
+    url = create_database(postgres_admin_url, f"pdserve_test_{run_id}")
+    upgrade(url)
+    yield url
+    drop_database(postgres_admin_url, f"pdserve_test_{run_id}")
+
+
+@pytest.fixture(scope="session")
+def settings(nats_url: str, database_url: str, run_id: str, tmp_path_factory) -> CommonSettings:
+    """Settings every service of this run shares: own subject prefix and events stream."""
+    return CommonSettings(
+        nats_url=nats_url,
+        database_url=database_url,
+        subject_prefix=f"t{run_id}",
+        events_stream=f"PDS_EVENTS_{run_id}",
+        var_dir=tmp_path_factory.mktemp("var"),
+    )
