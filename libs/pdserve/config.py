@@ -71,8 +71,11 @@ class WorkerSettings(CommonSettings, ModelSettings):
     worker_id: str = Field("", description="Stable worker id; empty = '<role>-<pid>'.")
     role: str = Field("decode", description="'prefill', 'decode' or 'unified'.")
     kv_transport: str = Field("ucxx", description="'ucxx' (shared memory on one host) or 'tcp' (asyncio).")
-    max_num_seqs: int = Field(16, description="Sequences a decode worker holds at once (reservations).")
-    max_model_len: int = Field(2048, description="Prompt + output tokens per sequence.")
+    kv_capacity_tokens: int = Field(
+        32768, description="KV cache capacity in tokens (all reservations together); SmolLM2 fp32 = 45 KiB/token."
+    )
+    lease_s: float = Field(30.0, description="A reservation not started within this many seconds is freed.")
+    commit_every_tokens: int = Field(16, description="A TokensCommitted event every this many output tokens.")
     heartbeat_interval_s: float = Field(0.5, description="Heartbeat period.")
     torch_threads: int = Field(1, description="torch intra-op threads: one core per worker by default.")
 

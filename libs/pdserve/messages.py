@@ -258,7 +258,9 @@ class DecodeAdmitted(Message):
     request_id: str
     worker_id: str
     transfer_bytes: int
-    transfer_s: float = Field(description="First byte expected (reserve) → last layer verified.")
+    transfer_s: float = Field(description="Reservation (first byte expected) → last layer verified, seconds.")
+    transfer_done_ts: float = Field(description="UNIX seconds when the last layer was verified.")
+    first_token_ts: float = Field(description="UNIX seconds when the first token left the decode worker.")
 
 
 class Release(Message):

@@ -1,0 +1,50 @@
+"""Wiring of a worker process, shared by the prefill and decode services (they differ only in role)."""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import os
+
+import torch
+
+from pdserve.bus import Bus
+from pdserve.config import WorkerSettings
+from pdserve.engine.loader import load_model
+from pdserve.service import run_service
+from pdserve.transfer import make_transport
+from pdserve.workers.worker import Worker
+
+log = logging.getLogger(__name__)
+
+
+def run_worker(default_role: str) -> None:
+    settings = WorkerSettings()
+    if "PDS_ROLE" not in os.environ:
+        settings.role = default_role
+    if not settings.worker_id:
+        settings.worker_id = f"{settings.role}-{os.getpid()}"
+    # One intra-op thread: prefill and decode workers each own a core on a small machine.
+    torch.set_num_threads(settings.torch_threads)
+
+    async def setup(bus: Bus):
+        loaded = await asyncio.to_thread(load_model, settings.model, settings.weights_cache_dir)
+        transport = None
+        if settings.role != "unified":
+            transport = make_transport(settings.kv_transport)
+            await transport.start()
+        worker = Worker(bus, settings, loaded, transport)
+        await worker.serve()
+        tasks = [bus.spawn(worker.run_heartbeats()), bus.spawn(worker.decode.run())]
+        log.info("%s serving %s as %s", settings.worker_id, loaded.name, settings.role)
+
+        async def cleanup() -> None:
+            for t in tasks:
+                t.cancel()
+            await asyncio.gather(*tasks, return_exceptions=True)
+            if transport is not None:
+                await transport.stop()
+
+        return cleanup
+
+    run_service(settings.worker_id, settings, setup)

@@ -1,0 +1,6 @@
+"""Prefill worker: runs prompts and streams their KV, layer by layer, to the reserved decode worker."""
+
+from pdserve.workers.runtime import run_worker
+
+if __name__ == "__main__":
+    run_worker("prefill")
