@@ -52,6 +52,10 @@ class GatewaySettings(CommonSettings, ModelSettings):
     host: str = Field("127.0.0.1", description="HTTP bind address.")
     port: int = Field(8000, description="HTTP port of the OpenAI-compatible API.")
     request_timeout_s: float = Field(300.0, description="Upper bound on one request, end to end.")
+    max_model_len: int = Field(2048, description="Prompt + output tokens per request; longer is refused (400).")
+    token_gap_timeout_s: float = Field(
+        5.0, description="How long a hole in a request's token stream may stay open before it fails."
+    )
 
 
 class RouterSettings(CommonSettings):

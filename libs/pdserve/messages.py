@@ -158,8 +158,13 @@ class Accepted(Message):
 
 
 class Abort(Message):
+    """Stop a request and free what it holds. `finish_reason` is set when the gateway ended the request
+    as finished rather than cancelled (a stop string matched: "stop"), so the lifecycle records it as
+    completed."""
+
     request_id: str
     reason: str
+    finish_reason: FinishReason | None = None
 
 
 class TokenChunk(Message):
