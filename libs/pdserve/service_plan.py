@@ -1,0 +1,85 @@
+"""Which processes make up a pdserve stack, and the environment each one gets (DESIGN §2, §7).
+
+One source of truth for `pdserve up` (the supervisor starts exactly this list) and for
+docker-compose.yml (tests/unit/test_compose_matches_cli.py checks the compose file against it).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from pathlib import Path
+
+MODES = ("disaggregated", "colocated")
+MODELS = ("smollm2", "tiny")
+
+
+@dataclass(frozen=True)
+class ServiceSpec:
+    """One process of the stack.
+
+    `name` is unique in the stack: log file stem (var/log/<name>.log), compose service name and
+    `PDS_WORKER_ID`. `module` is what `python -m` runs. `role` is `PDS_ROLE`: the worker role
+    ('prefill', 'decode', 'unified') or, for the other services, the service kind.
+    """
+
+    name: str
+    module: str
+    role: str
+
+    @property
+    def is_worker(self) -> bool:
+        return self.role in ("prefill", "decode", "unified")
+
+    def environment(
+        self, *, nats_url: str, database_url: str, model: str, var_dir: Path, gateway_port: int
+    ) -> dict[str, str]:
+        """The `PDS_*` variables this process starts with (on top of the caller's environment).
+
+        `PDS_PORT` goes to the gateway only: it is the HTTP port, and no other service has a fixed port
+        (metrics and KV transfer listeners bind port 0 and publish the real one).
+        """
+        env = {
+            "PDS_NATS_URL": nats_url,
+            "PDS_DATABASE_URL": database_url,
+            "PDS_WORKER_ID": self.name,
+            "PDS_ROLE": self.role,
+            "PDS_MODEL": model,
+            "PDS_VAR_DIR": str(var_dir),
+        }
+        if self.role == "gateway":
+            env["PDS_PORT"] = str(gateway_port)
+        return env
+
+
+def _service(kind: str) -> ServiceSpec:
+    return ServiceSpec(kind, f"pdserve.services.{kind}", kind)
+
+
+def service_plan(mode: str, n_prefill: int = 1, n_decode: int = 1) -> list[ServiceSpec]:
+    """The processes of a stack, in start order: recorder, router, coordinator, workers, gateway.
+
+    disaggregated: `n_prefill` prefill workers (prefill-0…) and `n_decode` decode workers (decode-0…).
+    colocated: `n_prefill + n_decode` unified workers (unified-0…; module pdserve.services.decode with
+    role 'unified'), so both modes compare on the same number of worker processes (cores).
+    The gateway comes last so that its /health answering means every other process was started.
+    Raises ValueError on an unknown mode or a worker count below 1 (disaggregated needs one of each).
+    """
+    if mode not in MODES:
+        raise ValueError(f"mode {mode!r}: expected one of {', '.join(MODES)}")
+    if n_prefill < 0 or n_decode < 0 or (mode == "disaggregated" and (n_prefill < 1 or n_decode < 1)):
+        raise ValueError(
+            f"{mode} needs at least one worker of each kind, got prefill={n_prefill} decode={n_decode}"
+        )
+    if mode == "colocated" and n_prefill + n_decode < 1:
+        raise ValueError("colocated needs at least one unified worker")
+    plan = [_service("recorder"), _service("router"), _service("coordinator")]
+    if mode == "disaggregated":
+        plan += [ServiceSpec(f"prefill-{i}", "pdserve.services.prefill", "prefill") for i in range(n_prefill)]
+        plan += [ServiceSpec(f"decode-{i}", "pdserve.services.decode", "decode") for i in range(n_decode)]
+    else:
+        plan += [
+            ServiceSpec(f"unified-{i}", "pdserve.services.decode", "unified")
+            for i in range(n_prefill + n_decode)
+        ]
+    plan.append(_service("gateway"))
+    return plan
