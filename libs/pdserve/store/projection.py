@@ -1,0 +1,133 @@
+"""The `requests` projection: a pure fold of one request's events, in stream order, into one row.
+
+`apply(row, event)` is used both live (the recorder, per committed batch) and by replay
+(`queries.rebuild_projections`), so replaying the events table gives exactly the rows the recorder
+wrote. Order is the JetStream stream sequence, never `ts`: several services stamp events with their own
+clocks (DESIGN §4).
+
+State follows the lifecycle (DESIGN §2): received → routed → reserved → prefilling → transferred →
+decoding → completed | failed | aborted. A retry may step back (a second `DecodeReserved` after a failed
+transfer is `reserved` again), but a terminal state is final: a late event still fills in its fields,
+never the state. Unknown event types, and events of a newer schema version, leave the row as it is
+(the event itself is kept in the `events` table); so does a payload that fails validation.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterable
+from datetime import UTC, datetime
+from typing import Any
+
+from pydantic import ValidationError
+
+from pdserve.events import (
+    DecodeReserved,
+    DecodeStarted,
+    Event,
+    Payload,
+    PrefillCompleted,
+    PrefillStarted,
+    RequestAborted,
+    RequestCompleted,
+    RequestFailed,
+    RequestReceived,
+    RequestRouted,
+    TokensCommitted,
+    TransferCompleted,
+)
+from pdserve.store.tables import REQUEST_COLUMNS, TERMINAL_STATES
+
+Row = dict[str, Any]
+
+
+def to_datetime(ts: float) -> datetime:
+    """UNIX seconds (UTC) → an aware datetime, µs resolution (Postgres `timestamptz`)."""
+    return datetime.fromtimestamp(ts, tz=UTC)
+
+
+def empty_row(request_id: str) -> Row:
+    """The row of a request no event has been folded into yet: every column present, all None."""
+    row: Row = dict.fromkeys(REQUEST_COLUMNS)
+    row["request_id"] = request_id
+    row["state"] = "received"
+    row["last_stream_seq"] = 0
+    return row
+
+
+def _fields(p: Payload, ts: datetime) -> tuple[str | None, Row]:
+    """(new state or None, columns to set) for one known payload."""
+    match p:
+        case RequestReceived():
+            return "received", {"model": p.model, "prompt_tokens": p.num_prompt_tokens, "received_at": ts}
+        case RequestRouted():
+            return "routed", {"mode": p.mode, "prefill_worker_id": p.prefill_worker_id,
+                              "decode_worker_id": p.decode_worker_id, "route_s": p.route_s}
+        case DecodeReserved():
+            return "reserved", {"decode_worker_id": p.decode_worker_id, "reserve_s": p.reserve_s}
+        case PrefillStarted():
+            return "prefilling", {"prefill_worker_id": p.prefill_worker_id}
+        case PrefillCompleted():
+            return None, {"cached_tokens": p.num_cached_tokens, "computed_tokens": p.num_computed_tokens,
+                          "kv_bytes": p.kv_bytes, "prefill_s": p.prefill_s}
+        case TransferCompleted():
+            # A failed checksum is followed by a retransfer; only a verified transfer moves the state.
+            state = "transferred" if p.checksum_ok else None
+            return state, {"kv_bytes": p.kv_bytes, "transfer_s": p.transfer_s}
+        case DecodeStarted():
+            return "decoding", {"decode_worker_id": p.decode_worker_id}
+        case TokensCommitted():
+            return None, {"_committed_tokens": p.start_index + len(p.token_ids)}
+        case RequestCompleted():
+            t = p.ttft
+            return "completed", {
+                "finish_reason": str(p.finish_reason), "prompt_tokens": p.prompt_tokens,
+                "completion_tokens": p.completion_tokens, "ttft_s": t.ttft_s, "queue_s": t.queue_s,
+                "route_s": t.route_s, "reserve_s": t.reserve_s, "prefill_s": t.prefill_s,
+                "exposed_transfer_s": t.exposed_transfer_s, "first_token_s": t.first_token_s,
+                "e2e_s": p.e2e_s, "finished_at": ts,
+            }
+        case RequestFailed():
+            return "failed", {"failure_phase": p.phase, "failure_reason": p.reason, "finished_at": ts}
+        case RequestAborted():
+            return "aborted", {"finish_reason": "abort", "failure_reason": p.reason, "finished_at": ts}
+    return None, {}  # AdmissionDeferred, ChecksumMismatch: recorded, no column of their own
+
+
+def apply(row: Row | None, event: Event, stream_seq: int | None = None) -> Row:
+    """Fold one event into a request's projection row and return the new row (the input is not changed).
+
+    `row` is None for the request's first event. `stream_seq` is the event's JetStream stream sequence;
+    when given it becomes `last_stream_seq`, and an event at or below the row's `last_stream_seq` (a
+    redelivery already folded) returns the row unchanged. Never raises on an event's content: an
+    unknown type, a newer schema version or a payload that does not match its type's class changes only
+    `last_stream_seq` (the row is created if absent).
+    """
+    new = dict(row) if row is not None else empty_row(event.request_id)
+    if stream_seq is not None:
+        if stream_seq <= new["last_stream_seq"]:
+            return new
+        new["last_stream_seq"] = stream_seq
+    try:
+        payload = event.typed_payload()
+    except ValidationError:
+        payload = None  # a malformed known payload is kept in `events`, like an unknown type
+    if payload is None:
+        return new
+    state, fields = _fields(payload, to_datetime(event.ts))
+    if (committed := fields.pop("_committed_tokens", None)) is not None:
+        # The journal only grows; a resend of an earlier chunk must not shrink the count.
+        fields["completion_tokens"] = max(new["completion_tokens"] or 0, committed)
+    if new["state"] in TERMINAL_STATES:
+        # The terminal event's figures are the final word; late events may only fill gaps.
+        fields = {k: v for k, v in fields.items() if new[k] is None}
+    elif state is not None:
+        new["state"] = state
+    new.update(fields)
+    return new
+
+
+def fold(events: Iterable[tuple[int, Event]], row: Row | None = None) -> Row | None:
+    """Fold `(stream_seq, event)` pairs of one request, already in stream order, onto `row`."""
+    for seq, event in events:
+        row = apply(row, event, seq)
+    return row

@@ -1,0 +1,226 @@
+"""The recorder against real NATS JetStream and Postgres: every event once, in stream order, with its
+projection; replay reproduces the projection; outages of the recorder or of Postgres lose nothing."""
+
+from __future__ import annotations
+
+import asyncio
+import time
+from collections.abc import AsyncIterator
+from datetime import UTC, datetime
+
+import pytest
+import sqlalchemy as sa
+from prometheus_client import REGISTRY
+
+from pdserve.bus import Bus
+from pdserve.config import CommonSettings, RecorderSettings
+from pdserve.events import Event
+from pdserve.ids import new_id
+from pdserve.store.projection import fold
+from pdserve.store.queries import (
+    lifecycle,
+    lifecycle_records,
+    make_engine,
+    rebuild_projections,
+    request_row,
+    unfinished_requests,
+)
+from pdserve.store.recorder import Recorder, caught_up
+from pdserve.store.tables import events, requests
+from tests.unit.test_projection import full_lifecycle
+
+UNREACHABLE_DB = "postgresql+asyncpg://postgres@127.0.0.1:1/nowhere"
+
+
+@pytest.fixture(scope="module")
+async def engine(database_url: str) -> AsyncIterator:
+    e = make_engine(database_url)
+    yield e
+    await e.dispose()
+
+
+@pytest.fixture(scope="module")
+async def bus(settings: CommonSettings) -> AsyncIterator[Bus]:
+    b = await Bus.connect(settings, "test-recorder")
+    yield b
+    await b.close()
+
+
+@pytest.fixture(scope="module")
+def recorder_settings(settings: CommonSettings) -> RecorderSettings:
+    # A small batch so a test's events span several transactions.
+    return RecorderSettings(**settings.model_dump(), batch_size=7, fetch_timeout_s=0.1)
+
+
+async def publish(bus: Bus, event: Event, msg_id: str | None = None) -> None:
+    """Publish as `Bus.emit` does, awaited so the stream order is the call order."""
+    await bus.js.publish(bus.subjects.event(event.request_id, event.type), event.model_dump_json().encode(),
+                         headers={"Nats-Msg-Id": msg_id or event.event_id})
+
+
+async def run_recorder(bus: Bus, engine, settings: RecorderSettings):
+    stop = asyncio.Event()
+    task = asyncio.create_task(Recorder(bus, engine, settings).run(stop))
+    return stop, task
+
+
+async def wait_recorded(bus: Bus, timeout_s: float = 20.0) -> None:
+    """Until Postgres holds every event published so far."""
+    async with asyncio.timeout(timeout_s):
+        while not await caught_up(bus):
+            await asyncio.sleep(0.05)
+
+
+async def record_all(bus: Bus, engine, settings: RecorderSettings) -> None:
+    """Run a recorder until Postgres holds every event published so far, then stop it."""
+    stop, task = await run_recorder(bus, engine, settings)
+    try:
+        await wait_recorded(bus)
+    finally:
+        stop.set()
+        await task
+
+
+async def stored_rows(engine, request_ids: list[str]) -> list[dict]:
+    async with engine.connect() as conn:
+        q = sa.select(events).where(events.c.request_id.in_(request_ids)).order_by(events.c.stream_seq)
+        return [dict(r) for r in (await conn.execute(q)).mappings()]
+
+
+async def projection_snapshot(engine) -> list[dict]:
+    async with engine.connect() as conn:
+        q = sa.select(requests).order_by(requests.c.request_id)
+        return [dict(r) for r in (await conn.execute(q)).mappings()]
+
+
+async def test_every_event_is_recorded_once_in_stream_order_with_its_projection(
+    bus, engine, recorder_settings
+):
+    rids = [new_id() for _ in range(3)]
+    lives = {rid: full_lifecycle(rid) for rid in rids}
+    # Interleave the three requests, as concurrent requests interleave on the stream.
+    for step in range(len(lives[rids[0]])):
+        for rid in rids:
+            await publish(bus, lives[rid][step])
+    unknown = Event(request_id=rids[0], type="KVMigrated", service="decode", payload={"to": "decode-2"})
+    await publish(bus, unknown)
+    await publish(bus, lives[rids[1]][0])  # same Nats-Msg-Id: JetStream drops it
+    await publish(bus, lives[rids[2]][4], msg_id=new_id())  # past the dedup window: stored twice in JetStream
+    await publish(bus, lives[rids[2]][0], msg_id=new_id())
+    await bus.js.publish(bus.subjects.event(rids[0], "Garbage"), b"not an event")  # terminated, not blocking
+
+    await record_all(bus, engine, recorder_settings)
+
+    rows = await stored_rows(engine, rids)
+    expected_ids = {e.event_id for life in lives.values() for e in life} | {unknown.event_id}
+    assert sorted(r["event_id"] for r in rows) == sorted(expected_ids)
+    seqs = [r["stream_seq"] for r in rows]
+    assert seqs == sorted(seqs) and len(set(seqs)) == len(seqs)
+    for rid in rids:
+        recorded = await lifecycle(engine, rid)
+        want = lives[rid] + ([unknown] if rid == rids[0] else [])
+        assert [e.event_id for e in recorded] == [e.event_id for e in want]
+        assert recorded == [e.model_copy(update={"ts": r.ts}) for e, r in zip(want, recorded, strict=True)]
+        assert all(abs(e.ts - r.ts) < 1e-6 for e, r in zip(want, recorded, strict=True))
+        row = await request_row(engine, rid)
+        assert row == fold(await lifecycle_records(engine, rid))
+        assert row["state"] == "completed" and row["completion_tokens"] == 8 and row["cached_tokens"] == 16
+
+
+async def test_replay_twice_gives_the_projection_the_recorder_wrote(bus, engine, recorder_settings):
+    rid = new_id()
+    for event in full_lifecycle(rid)[:7]:
+        await publish(bus, event)
+    await record_all(bus, engine, recorder_settings)
+
+    live = await projection_snapshot(engine)
+    assert (await request_row(engine, rid))["state"] == "prefilling"
+    assert rid in {r["request_id"] for r in await unfinished_requests(engine)}
+    n = await rebuild_projections(engine)
+    first = await projection_snapshot(engine)
+    assert n == len(first) == len(live) >= 1
+    assert await rebuild_projections(engine) == n
+    assert await projection_snapshot(engine) == first == live
+
+
+async def test_replay_since_recomputes_only_requests_with_recent_events(bus, engine, recorder_settings):
+    rid = new_id()
+    for event in full_lifecycle(rid, t0=time.time() + 3600):  # the newest events in the table
+        await publish(bus, event)
+    await record_all(bus, engine, recorder_settings)
+    everything = await projection_snapshot(engine)
+    since = datetime.fromtimestamp(time.time() + 1800, UTC)
+    assert await rebuild_projections(engine, since=since) == 1
+    assert await projection_snapshot(engine) == everything
+
+
+async def test_an_older_event_committed_after_newer_ones_still_folds_in_stream_order(
+    bus, engine, recorder_settings
+):
+    rid = new_id()
+    life = full_lifecycle(rid)
+    for event in life:
+        await publish(bus, event)
+    durable = f"test-{rid[-12:]}"
+    sub = await bus.js.pull_subscribe(bus.subjects.event(rid, "*"), durable=durable,
+                                      stream=recorder_settings.events_stream)
+    msgs = await sub.fetch(len(life), timeout=5)
+    recorder = Recorder(bus, engine, recorder_settings, durable=durable)
+    await recorder.record(msgs[6:])
+    await recorder.record(msgs[:6])  # as if a crashed recorder's batch were redelivered late
+    await sub.unsubscribe()
+    await bus.js.delete_consumer(recorder_settings.events_stream, durable)
+    row = await request_row(engine, rid)
+    assert row == fold((i + 1, e) for i, e in enumerate(life)) | {"last_stream_seq": row["last_stream_seq"]}
+    assert row["state"] == "completed" and row["received_at"] is not None
+
+
+async def test_events_published_while_the_recorder_is_stopped_are_recorded_when_it_starts(
+    bus, engine, recorder_settings
+):
+    rid = new_id()
+    life = full_lifecycle(rid)
+    stop, task = await run_recorder(bus, engine, recorder_settings)
+    for event in life[:4]:
+        await publish(bus, event)
+    await wait_recorded(bus)
+    stop.set()
+    await task
+    assert (await request_row(engine, rid))["state"] == "reserved"
+
+    for event in life[4:]:
+        await publish(bus, event)
+    assert len(await lifecycle(engine, rid)) == 4  # nobody records while stopped
+
+    await record_all(bus, engine, recorder_settings)
+    assert [e.event_id for e in await lifecycle(engine, rid)] == [e.event_id for e in life]
+    assert (await request_row(engine, rid))["state"] == "completed"
+
+
+async def test_events_wait_unacked_in_jetstream_while_postgres_is_unreachable(bus, engine, recorder_settings):
+    rid = new_id()
+    life = full_lifecycle(rid)
+    for event in life:
+        await publish(bus, event)
+
+    dead = make_engine(UNREACHABLE_DB)
+    stop, task = await run_recorder(bus, dead, recorder_settings)
+    await asyncio.sleep(1.0)
+    lag = REGISTRY.get_sample_value("pdserve:events_recorder_lag_seconds")
+    info = await bus.js.consumer_info(recorder_settings.events_stream, "pdserve-recorder")
+    stop.set()
+    await task
+    await dead.dispose()
+    assert lag > 0
+    assert info.num_ack_pending + info.num_pending >= len(life)
+    assert await lifecycle(engine, rid) == []
+
+    await record_all(bus, engine, recorder_settings)
+    assert [e.event_id for e in await lifecycle(engine, rid)] == [e.event_id for e in life]
+    assert (await request_row(engine, rid))["state"] == "completed"
+
+
+async def test_unknown_or_malformed_request_ids_have_no_lifecycle(engine):
+    assert await lifecycle(engine, new_id()) == []
+    assert await lifecycle(engine, "not-a-uuid") == []
+    assert await request_row(engine, "not-a-uuid") is None
