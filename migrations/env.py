@@ -11,10 +11,11 @@ import asyncio
 import os
 
 from alembic import context
-from pdserve.store.tables import metadata
 from sqlalchemy import pool
 from sqlalchemy.engine import Connection
 from sqlalchemy.ext.asyncio import create_async_engine
+
+from pdserve.store.tables import metadata
 
 config = context.config
 

@@ -22,7 +22,7 @@ import nats.js.errors
 import sqlalchemy as sa
 from nats.aio.msg import Msg
 from nats.js.api import AckPolicy, ConsumerConfig, DeliverPolicy
-from prometheus_client import Counter, Gauge
+from prometheus_client import Counter
 from pydantic import ValidationError
 from sqlalchemy.exc import DBAPIError, InterfaceError
 from sqlalchemy.ext.asyncio import AsyncConnection, AsyncEngine
@@ -33,6 +33,7 @@ from pdserve.events import Event
 from pdserve.store.projection import Row, apply, fold
 from pdserve.store.rows import event_row, insert_events, request_dict, row_event, upsert_requests
 from pdserve.store.tables import events, requests
+from pdserve.telemetry.metrics import EVENTS_RECORDER_LAG_SECONDS
 
 log = logging.getLogger(__name__)
 
@@ -40,11 +41,9 @@ DURABLE = "pdserve-recorder"
 ACK_WAIT_S = 30.0  # a recorder killed mid-batch delays that batch's redelivery by this much
 BACKOFF_S = (0.1, 5.0)  # first and longest wait between attempts to commit a batch
 
-RECORDER_LAG = Gauge(
-    "pdserve:events_recorder_lag_seconds",
-    "Seconds between JetStream storing the oldest event not yet committed to Postgres and now; 0 when "
-    "the recorder has caught up with the events stream.",
-)
+# pdserve:events_recorder_lag_seconds lives with every other metric name; the recorder sets it to the age
+# (seconds since JetStream stored it) of the oldest event not yet committed, 0 once caught up.
+RECORDER_LAG = EVENTS_RECORDER_LAG_SECONDS
 EVENTS_RECORDED = Counter(
     "pdserve:events_recorded", "Events inserted into Postgres (redelivered duplicates not counted)."
 )

@@ -1,0 +1,54 @@
+"""Recorder: the JetStream events stream → Postgres (events table + requests projection).
+
+Not `pdserve.service.run_service`: the recorder's work is one fetch loop rather than handlers, and if that
+loop fails the process must exit non-zero so the supervisor restarts it; unacked events wait in JetStream.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import signal
+import sys
+
+from pdserve.bus import Bus
+from pdserve.config import RecorderSettings
+from pdserve.store.queries import make_engine
+from pdserve.store.recorder import Recorder
+from pdserve.telemetry.metrics import start_metrics_server
+from pdserve.telemetry.setup import init_telemetry
+
+log = logging.getLogger("pdserve.services.recorder")
+
+
+async def serve(settings: RecorderSettings) -> None:
+    telemetry = init_telemetry("recorder", settings)
+    port = start_metrics_server(settings.metrics_port)
+    bus = await Bus.connect(settings, "recorder")
+    engine = make_engine(settings.database_url)
+    stop = asyncio.Event()
+    loop = asyncio.get_running_loop()
+    for sig in (signal.SIGTERM, signal.SIGINT):
+        loop.add_signal_handler(sig, stop.set)
+    log.info("recorder ready (nats %s, metrics :%d)", settings.nats_url, port)
+    try:
+        await Recorder(bus, engine, settings).run(stop)  # returns once the batch in hand is committed
+    finally:
+        log.info("recorder stopping")
+        await bus.close()
+        await engine.dispose()
+        telemetry.shutdown()
+
+
+def main() -> int:
+    settings = RecorderSettings()
+    try:
+        asyncio.run(serve(settings))
+    except Exception:
+        log.exception("recorder failed")
+        return 1
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
