@@ -3,7 +3,11 @@ projection; replay reproduces the projection; outages of the recorder or of Post
 
 from __future__ import annotations
 
+import argparse
 import asyncio
+import json
+import os
+import sys
 import time
 from collections.abc import AsyncIterator
 from datetime import UTC, datetime
@@ -13,6 +17,7 @@ import sqlalchemy as sa
 from prometheus_client import REGISTRY
 
 from pdserve.bus import Bus
+from pdserve.cli import replay
 from pdserve.config import CommonSettings, RecorderSettings
 from pdserve.events import Event
 from pdserve.ids import new_id
@@ -224,3 +229,57 @@ async def test_unknown_or_malformed_request_ids_have_no_lifecycle(engine):
     assert await lifecycle(engine, new_id()) == []
     assert await lifecycle(engine, "not-a-uuid") == []
     assert await request_row(engine, "not-a-uuid") is None
+
+
+async def _pdserve(*args: str) -> tuple[int, str]:
+    """The real `pdserve` entry point in a child process: exit status and output."""
+    proc = await asyncio.create_subprocess_exec(
+        sys.executable, "-m", "pdserve.cli.main", *args, stdout=asyncio.subprocess.PIPE,
+        stderr=asyncio.subprocess.STDOUT, env={**os.environ, "COLUMNS": "200"})
+    out, _ = await proc.communicate()
+    return proc.returncode, out.decode()
+
+
+async def _replay(capsys, *args: str) -> tuple[int, str]:
+    """`pdserve replay` in this process (in a thread: it runs its own event loop)."""
+    parser = argparse.ArgumentParser()
+    replay.add_parsers(parser.add_subparsers())
+    parsed = parser.parse_args(["replay", *args])
+    capsys.readouterr()
+    code = await asyncio.to_thread(parsed.func, parsed)
+    return code, capsys.readouterr().out
+
+
+async def test_replay_command_prints_a_lifecycle_in_stream_order_and_rebuilds(
+    bus, engine, recorder_settings, database_url, tmp_path, monkeypatch, capsys
+):
+    rid = new_id()
+    life = full_lifecycle(rid)
+    for event in life:
+        await publish(bus, event)
+    await record_all(bus, engine, recorder_settings)
+    before = await projection_snapshot(engine)
+
+    code, out = await _pdserve("replay", "--request", rid, "--database-url", database_url)
+    assert code == 0, out
+    lines = [ln for ln in out.splitlines() if any(f" {e.type} " in ln for e in life)]
+    assert [next(e.type for e in life if f" {e.type} " in ln) for ln in lines] == [e.type for e in life]
+    assert "state completed (length)" in out and "TTFT 236.0 ms" in out
+
+    # No flag, no environment: the URL comes from the running stack's var/run/stack.json.
+    (tmp_path / "run").mkdir()
+    (tmp_path / "run" / "stack.json").write_text(json.dumps({
+        "supervisor_pid": 1, "supervisor_create_time": 0.0, "mode": "disaggregated", "model": "tiny",
+        "var_dir": str(tmp_path), "nats_url": bus.settings.nats_url, "database_url": database_url,
+        "gateway_url": "http://127.0.0.1:8000"}))
+    monkeypatch.setenv("PDS_VAR_DIR", str(tmp_path))
+    monkeypatch.delenv("PDS_DATABASE_URL", raising=False)
+    code, out = await _replay(capsys)
+    assert code == 0, out
+    assert f"rebuilt {len(before)} request rows" in out
+    assert await projection_snapshot(engine) == before
+
+    code, out = await _replay(capsys, "--request", new_id(), "--database-url", database_url)
+    assert code == 1 and "no events recorded" in out
+    code, out = await _replay(capsys, "--database-url", UNREACHABLE_DB)
+    assert code == 2 and "cannot read the event store" in out

@@ -16,7 +16,7 @@ from sqlalchemy.ext.asyncio import AsyncConnection, AsyncEngine, create_async_en
 from pdserve.events import Event
 from pdserve.store.projection import Row, apply
 from pdserve.store.rows import ROWS_PER_STATEMENT, RecordedEvent, request_dict, row_event, upsert_requests
-from pdserve.store.tables import TERMINAL_STATES, events, requests
+from pdserve.store.tables import REQUEST_STATES, TERMINAL_STATES, events, requests
 
 
 def make_engine(url: str, **kwargs) -> AsyncEngine:
@@ -76,6 +76,14 @@ async def unfinished_requests(engine: AsyncEngine) -> list[Row]:
          .order_by(requests.c.received_at.nulls_first(), requests.c.request_id))
     async with engine.connect() as conn:
         return [request_dict(r) for r in (await conn.execute(q)).mappings()]
+
+
+async def state_counts(engine: AsyncEngine) -> dict[str, int]:
+    """Number of `requests` rows per state, states in lifecycle order, absent states left out."""
+    async with engine.connect() as conn:
+        q = sa.select(requests.c.state, sa.func.count()).group_by(requests.c.state)
+        found = dict((await conn.execute(q)).all())
+    return {s: found[s] for s in REQUEST_STATES if s in found}
 
 
 async def _refold(conn: AsyncConnection, q: sa.Select) -> int:
