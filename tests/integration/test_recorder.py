@@ -225,6 +225,26 @@ async def test_events_wait_unacked_in_jetstream_while_postgres_is_unreachable(bu
     assert (await request_row(engine, rid))["state"] == "completed"
 
 
+async def test_recording_resumes_after_its_consumer_is_deleted(bus, engine, recorder_settings):
+    rid = new_id()
+    life = full_lifecycle(rid)
+    stop = asyncio.Event()
+    recorder = Recorder(bus, engine, recorder_settings, consumer_check_s=0.2)
+    task = asyncio.create_task(recorder.run(stop))
+    try:
+        await publish(bus, life[0])
+        await wait_recorded(bus)
+        await bus.js.delete_consumer(recorder_settings.events_stream, "pdserve-recorder")
+        for event in life[1:]:
+            await publish(bus, event)
+        await wait_recorded(bus)  # False until the recorder binds a new consumer and replays the stream
+    finally:
+        stop.set()
+        await task
+    assert [e.event_id for e in await lifecycle(engine, rid)] == [e.event_id for e in life]
+    assert (await request_row(engine, rid))["state"] == "completed"
+
+
 async def test_unknown_or_malformed_request_ids_have_no_lifecycle(engine):
     assert await lifecycle(engine, new_id()) == []
     assert await lifecycle(engine, "not-a-uuid") == []

@@ -21,6 +21,7 @@ import nats.errors
 import nats.js.errors
 import sqlalchemy as sa
 from nats.aio.msg import Msg
+from nats.js import JetStreamContext
 from nats.js.api import AckPolicy, ConsumerConfig, DeliverPolicy
 from prometheus_client import Counter
 from pydantic import ValidationError
@@ -38,6 +39,7 @@ from pdserve.telemetry.metrics import EVENTS_RECORDER_LAG_SECONDS
 log = logging.getLogger(__name__)
 
 DURABLE = "pdserve-recorder"
+CONSUMER_CHECK_S = 5.0  # idle this long → make sure the consumer still exists
 ACK_WAIT_S = 30.0  # a recorder killed mid-batch delays that batch's redelivery by this much
 BACKOFF_S = (0.1, 5.0)  # first and longest wait between attempts to commit a batch
 
@@ -75,16 +77,45 @@ class Recorder:
     """
 
     def __init__(
-        self, bus: Bus, engine: AsyncEngine, settings: RecorderSettings, durable: str = DURABLE
+        self, bus: Bus, engine: AsyncEngine, settings: RecorderSettings, durable: str = DURABLE,
+        consumer_check_s: float = CONSUMER_CHECK_S,
     ) -> None:
         self.bus = bus
         self.engine = engine
         self.settings = settings
         self.durable = durable
+        self.consumer_check_s = consumer_check_s
 
     async def run(self, stop: asyncio.Event) -> None:
         """Fetch, record and ack batches until `stop` is set. Raises only on a bug (a non-database error
         while recording); NATS and Postgres outages are waited out."""
+        sub = await self._subscribe()
+        idle_since = time.monotonic()
+        try:
+            while not stop.is_set():
+                try:
+                    msgs = await sub.fetch(self.settings.batch_size, timeout=self.settings.fetch_timeout_s)
+                except TimeoutError:  # nats' own, or asyncio's from a fetch deadline that ran out early
+                    RECORDER_LAG.set(0.0)
+                    if time.monotonic() - idle_since > self.consumer_check_s:
+                        # A deleted stream or consumer looks exactly like an idle one to fetch().
+                        idle_since = time.monotonic()
+                        if not await self._consumer_exists():
+                            log.warning("consumer %s is gone; subscribing again", self.durable)
+                            await sub.unsubscribe()
+                            sub = await self._subscribe()
+                    continue
+                except nats.errors.Error as e:  # NATS restarting: the client reconnects on its own
+                    log.warning("fetch failed (%s); retrying", e)
+                    await _sleep_unless(stop, BACKOFF_S[0])
+                    continue
+                idle_since = time.monotonic()
+                await self._commit_until_done(msgs, stop)
+        finally:
+            await sub.unsubscribe()
+
+    async def _subscribe(self) -> JetStreamContext.PullSubscription:
+        """Bind to the durable consumer, creating the stream and the consumer if absent."""
         await self.bus.ensure_events_stream()
         sub = await self.bus.js.pull_subscribe(
             self.bus.subjects.all_events, durable=self.durable, stream=self.settings.events_stream,
@@ -92,20 +123,16 @@ class Recorder:
                                   ack_wait=ACK_WAIT_S, max_ack_pending=-1),
         )
         log.info("recording stream %s (consumer %s)", self.settings.events_stream, self.durable)
+        return sub
+
+    async def _consumer_exists(self) -> bool:
         try:
-            while not stop.is_set():
-                try:
-                    msgs = await sub.fetch(self.settings.batch_size, timeout=self.settings.fetch_timeout_s)
-                except TimeoutError:  # nats' own, or asyncio's from a fetch deadline that ran out early
-                    RECORDER_LAG.set(0.0)
-                    continue
-                except nats.errors.Error as e:  # NATS restarting: the client reconnects on its own
-                    log.warning("fetch failed (%s); retrying", e)
-                    await _sleep_unless(stop, BACKOFF_S[0])
-                    continue
-                await self._commit_until_done(msgs, stop)
-        finally:
-            await sub.unsubscribe()
+            await self.bus.js.consumer_info(self.settings.events_stream, self.durable)
+        except nats.js.errors.NotFoundError:
+            return False
+        except nats.errors.Error:
+            return True  # NATS unreachable: nothing to conclude; the next check asks again
+        return True
 
     async def _commit_until_done(self, msgs: list[Msg], stop: asyncio.Event) -> None:
         delay = BACKOFF_S[0]
