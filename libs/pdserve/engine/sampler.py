@@ -1,0 +1,58 @@
+"""Next-token sampling from one sequence's logits: greedy, temperature, top-k, top-p, seeded."""
+
+from __future__ import annotations
+
+import torch
+
+from pdserve.messages import SamplingParams
+
+
+def sampling_probs(logits: torch.Tensor, temperature: float, top_k: int, top_p: float) -> torch.Tensor:
+    """The distribution a token is drawn from: [vocab_size] fp32 probabilities summing to 1.
+
+    logits: [vocab_size]. Order as vLLM applies them: divide by `temperature` (> 0), keep the `top_k` most
+    likely tokens (top_k <= 0 or >= vocab keeps all), then keep the smallest most-likely set whose mass
+    reaches `top_p` (nucleus sampling, Holtzman et al. 2019, https://arxiv.org/abs/1904.09751; the most
+    likely token is always kept), renormalized. Raises ValueError when temperature <= 0.
+    """
+    if temperature <= 0:
+        raise ValueError(f"temperature must be > 0 to sample, got {temperature} (0 means greedy)")
+    scaled = logits.to(torch.float32) / temperature
+    if 0 < top_k < scaled.shape[-1]:
+        kth_largest = torch.topk(scaled, top_k).values[-1]
+        scaled = scaled.masked_fill(scaled < kth_largest, -torch.inf)
+    probs = torch.softmax(scaled, dim=-1)
+    if top_p < 1.0:
+        sorted_probs, order = torch.sort(probs, descending=True)
+        mass_before = torch.cumsum(sorted_probs, dim=-1) - sorted_probs
+        drop_sorted = mass_before >= top_p  # mass_before[0] == 0, so the top token always stays
+        drop = torch.zeros_like(drop_sorted).scatter_(-1, order, drop_sorted)
+        probs = probs.masked_fill(drop, 0.0)
+        probs = probs / probs.sum()
+    return probs
+
+
+class Sampler:
+    """Picks each next token of one sequence under its SamplingParams.
+
+    temperature == 0: argmax (greedy; top_k, top_p and seed are ignored). Otherwise draws from
+    `sampling_probs` with this sampler's own `torch.Generator`, seeded from `params.seed` when given (so a
+    seeded request yields the same tokens on any worker given the same logits) and from OS entropy
+    otherwise. One Sampler per sequence: the generator's state advances with every draw.
+    """
+
+    def __init__(self, params: SamplingParams) -> None:
+        self.params = params
+        self._generator = torch.Generator()
+        if params.seed is not None:
+            self._generator.manual_seed(params.seed)
+        else:
+            self._generator.seed()
+
+    def sample(self, logits: torch.Tensor) -> int:
+        """The next token id, given the last position's logits [vocab_size] (any float dtype, CPU)."""
+        p = self.params
+        if p.temperature == 0:
+            return int(torch.argmax(logits))
+        probs = sampling_probs(logits, p.temperature, p.top_k, p.top_p)
+        return int(torch.multinomial(probs, 1, generator=self._generator))
