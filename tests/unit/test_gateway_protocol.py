@@ -112,7 +112,8 @@ def test_good_requests_accept_openai_fields_the_gateway_ignores():
         **CHAT, "user": "u-1", "cache_salt": "s", "metadata": {"k": "v"}, "store": False,
         "stream": True, "stream_options": {"include_usage": True}, "stop": "\n",
         "messages": [{"role": "system", "content": "Be brief."},
-                     {"role": "user", "content": [{"type": "text", "text": "a"}, {"type": "text", "text": "b"}]}],
+                     {"role": "user", "content": [{"type": "text", "text": "a"},
+                                                  {"type": "text", "text": "b"}]}],
     })
     assert req.include_usage and req.stop_strings == ("\n",)
     assert req.template_messages()[1] == {"role": "user", "content": "a\nb"}

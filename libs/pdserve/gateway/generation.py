@@ -1,0 +1,194 @@
+"""One request's generation as the gateway sees it: submit on the bus, then text deltas until the end.
+
+DESIGN §2 step 1: subscribe to `pds.tokens.<request_id>` before submitting (no chunk can be missed), emit
+`RequestReceived`, send `Submit` to the coordinator, then turn `TokenChunk`s into text: reorder and dedupe
+(`ChunkReassembler`), detokenize incrementally, cut at stop strings. Whenever the gateway ends a request the
+workers still run (stop string, client gone, timeout, a hole in the stream), it sends `Abort` so they free it.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import time
+from collections.abc import AsyncIterator
+from dataclasses import dataclass
+
+from opentelemetry import context as otel_context
+
+from pdserve.bus import Bus, BusTimeout, RejectedError
+from pdserve.engine.detokenizer import IncrementalDetokenizer
+from pdserve.events import RequestFailed, RequestReceived
+from pdserve.gateway.errors import APIError, from_rejection
+from pdserve.gateway.prompt import PreparedRequest, Tokenizer
+from pdserve.gateway.stop_strings import StopStringMatcher
+from pdserve.gateway.token_stream import ChunkReassembler
+from pdserve.messages import Abort, Accepted, Ack, FinishReason, Submit, TokenChunk
+
+log = logging.getLogger(__name__)
+
+ABORT_TIMEOUT_S = 2.0  # an Abort is best effort: the coordinator's own deadlines free the request anyway
+
+CLIENT_DISCONNECTED = "client disconnected"
+REQUEST_TIMEOUT = "request timeout"
+STOP_STRING = "stop string matched"
+TOKEN_GAP = "token stream gap"
+
+
+class ClientDisconnected(Exception):
+    """The HTTP client went away; the request has been aborted."""
+
+
+_DISCONNECT = object()  # queue sentinel: wakes `deltas()` when the client leaves
+
+
+@dataclass(frozen=True)
+class TextDelta:
+    """New output text (may be empty), the completion tokens consumed so far, and the finish reason on
+    the last delta."""
+
+    text: str
+    num_output_tokens: int
+    finish_reason: FinishReason | None = None
+
+
+class Generation:
+    """Lifecycle: `await start()` (raises `APIError` when the coordinator refuses or does not answer) →
+    `async for d in deltas()` (raises `APIError` 500 on an error chunk, 502 on a stream hole, 504 on the
+    overall timeout; `ClientDisconnected` after `disconnect()`) → `await close()` (always)."""
+
+    def __init__(self, bus: Bus, tokenizer: Tokenizer, *, request_id: str, model: str, endpoint: str,
+                 prepared: PreparedRequest, stream: bool, received_ts: float, timeout_s: float,
+                 gap_timeout_s: float) -> None:
+        self.bus = bus
+        self.request_id = request_id
+        self.model = model
+        self.endpoint = endpoint
+        self.prepared = prepared
+        self.stream = stream
+        self.received_ts = received_ts
+        self.deadline = time.monotonic() + timeout_s
+        self.gap_timeout_s = gap_timeout_s
+        self.num_output_tokens = 0
+        self.first_token_monotonic: float | None = None
+        self.finish_reason: FinishReason | None = None
+        self._tokenizer = tokenizer
+        self._queue: asyncio.Queue[TokenChunk | object] = asyncio.Queue()
+        self._sub = None
+        self._trace_context = otel_context.get_current()
+        self.ended = False  # the workers are done with it: finished, failed, or aborted by us
+
+    @property
+    def num_prompt_tokens(self) -> int:
+        return len(self.prepared.prompt_token_ids)
+
+    async def start(self) -> None:
+        """Call with the request's span current: its context rides on the Submit and later Aborts."""
+        self._trace_context = otel_context.get_current()
+        subjects = self.bus.subjects
+        self._sub = await self.bus.subscribe(subjects.tokens(self.request_id), TokenChunk, self._queue.put)
+        await self.bus.emit(self.request_id, RequestReceived(
+            model=self.model, endpoint=self.endpoint, num_prompt_tokens=self.num_prompt_tokens,
+            max_tokens=self.prepared.sampling.max_tokens, stream=self.stream))
+        submit = Submit(request_id=self.request_id, model=self.model,
+                        prompt_token_ids=self.prepared.prompt_token_ids, sampling=self.prepared.sampling,
+                        received_ts=self.received_ts)
+        try:
+            await self.bus.request(subjects.submit, submit, Accepted, timeout_s=self._remaining_s())
+        except RejectedError as e:
+            # The coordinator records nothing for a Submit it refuses: the gateway closes the lifecycle.
+            await self.bus.emit(self.request_id, RequestFailed(phase="submit", reason=str(e)))
+            raise from_rejection(e) from e
+        except BusTimeout as e:
+            await self.bus.emit(self.request_id, RequestFailed(phase="submit", reason=str(e)))
+            self.abort("coordinator did not answer the submit")  # in case it got it after all
+            raise APIError(503, "The coordinator is not answering; try again later.",
+                           code="coordinator_unavailable", headers={"Retry-After": "1"}) from e
+
+    async def deltas(self) -> AsyncIterator[TextDelta]:
+        reassembler = ChunkReassembler()
+        detokenizer = IncrementalDetokenizer(self._tokenizer, list(self.prepared.prompt_token_ids))
+        stops = StopStringMatcher(self.prepared.stop)
+        gap_deadline: float | None = None
+        while True:
+            chunk = await self._next_chunk(gap_deadline)
+            ready = reassembler.push(chunk)
+            if ready.token_ids and self.first_token_monotonic is None:
+                self.first_token_monotonic = time.monotonic()
+            text = []
+            for token_id in ready.token_ids:  # one at a time, so the usage counts stop at a stop string
+                self.num_output_tokens += 1
+                match = stops.feed(detokenizer.add([token_id]))
+                text.append(match.text)
+                if match.stopped:
+                    self.finish_reason = FinishReason.STOP
+                    self.abort(STOP_STRING, FinishReason.STOP)
+                    yield TextDelta("".join(text), self.num_output_tokens, FinishReason.STOP)
+                    return
+            if ready.error is not None:
+                self.ended = True
+                raise APIError(500, f"The request failed: {ready.error}", code="generation_failed")
+            if ready.finish_reason is not None:
+                self.ended = True
+                self.finish_reason = ready.finish_reason
+                text.append(stops.flush())
+                yield TextDelta("".join(text), self.num_output_tokens, ready.finish_reason)
+                return
+            if ready.token_ids:
+                yield TextDelta("".join(text), self.num_output_tokens)
+            if not reassembler.has_gap:
+                gap_deadline = None
+            elif gap_deadline is None:
+                gap_deadline = time.monotonic() + self.gap_timeout_s
+
+    async def _next_chunk(self, gap_deadline: float | None) -> TokenChunk:
+        wait_until = self.deadline if gap_deadline is None else min(self.deadline, gap_deadline)
+        try:
+            async with asyncio.timeout(max(wait_until - time.monotonic(), 0.0)):
+                item = await self._queue.get()
+        except TimeoutError:
+            if gap_deadline is not None and gap_deadline < self.deadline:
+                self.abort(TOKEN_GAP)
+                raise APIError(502, f"Output tokens from index {self.num_output_tokens} never arrived "
+                                    f"(waited {self.gap_timeout_s} s).", code="token_stream_gap") from None
+            self.abort(REQUEST_TIMEOUT)
+            raise APIError(504, "The request did not finish within the gateway's request timeout.",
+                           code="timeout") from None
+        if item is _DISCONNECT:
+            raise ClientDisconnected(self.request_id)
+        assert isinstance(item, TokenChunk)
+        return item
+
+    def disconnect(self) -> None:
+        """The client left: abort the request unless it already ended, and wake `deltas()` (which then
+        raises `ClientDisconnected`)."""
+        self.abort(CLIENT_DISCONNECTED)
+        self._queue.put_nowait(_DISCONNECT)
+
+    def abort(self, reason: str, finish_reason: FinishReason | None = None) -> None:
+        """Ask the coordinator to stop the request and free what it holds (once; in the background)."""
+        if self.ended:
+            return
+        self.ended = True
+        msg = Abort(request_id=self.request_id, reason=reason, finish_reason=finish_reason)
+        self.bus.spawn(self._send_abort(msg))
+
+    async def _send_abort(self, msg: Abort) -> None:
+        token = otel_context.attach(self._trace_context)
+        try:
+            await self.bus.request(self.bus.subjects.abort, msg, Ack, timeout_s=ABORT_TIMEOUT_S)
+        except (BusTimeout, RejectedError) as e:
+            log.warning("abort of %s (%s) not acknowledged: %s", self.request_id, msg.reason, e)
+        finally:
+            otel_context.detach(token)
+
+    async def close(self) -> None:
+        if self._sub is not None:
+            sub, self._sub = self._sub, None
+            try:
+                await sub.unsubscribe()
+            except Exception as e:  # connection already closed: nothing left to free
+                log.debug("unsubscribe of %s failed: %s", self.request_id, e)
+
+    def _remaining_s(self) -> float:
+        return max(self.deadline - time.monotonic(), 0.001)

@@ -1,0 +1,83 @@
+"""The `gateway.request` span and the gateway's Prometheus metrics for one request.
+
+The span is the root of the request's trace (DESIGN §6); it is current while the gateway talks to the bus,
+so the coordinator's spans join it through the `traceparent` header. Attributes: OTel GenAI semantic
+conventions (`gen_ai.request.model`, `gen_ai.usage.input_tokens`, `gen_ai.usage.output_tokens`,
+`gen_ai.response.finish_reasons`) and `pdserve.request_id`.
+
+Metrics (default registry, vLLM's names with the `pdserve:` prefix, vllm/v1/metrics/loggers.py):
+`request_success_total{model,finished_reason}`, `prompt_tokens_total`, `generation_tokens_total`,
+TTFT and E2E latency as the client sees them, plus `pdserve:request_errors_total{model,status}` and the
+`pdserve:gateway_requests_in_flight` gauge.
+"""
+
+from __future__ import annotations
+
+import time
+from collections.abc import Iterator
+from contextlib import contextmanager
+
+from opentelemetry import trace
+from opentelemetry.trace import Status, StatusCode
+from prometheus_client import Counter, Gauge
+
+from pdserve.telemetry.metrics import E2E_REQUEST_LATENCY_SECONDS, TIME_TO_FIRST_TOKEN_SECONDS
+
+tracer = trace.get_tracer("pdserve.gateway")
+
+REQUEST_SUCCESS = Counter("pdserve:request_success", "Requests finished, by finish reason.",
+                          ("model", "finished_reason"))
+REQUEST_ERRORS = Counter("pdserve:request_errors", "Requests answered with an HTTP error after admission "
+                         "checks, by status (499 = client disconnected).", ("model", "status"))
+PROMPT_TOKENS = Counter("pdserve:prompt_tokens", "Prompt tokens of submitted requests.", ("model",))
+GENERATION_TOKENS = Counter("pdserve:generation_tokens", "Completion tokens returned.", ("model",))
+REQUESTS_IN_FLIGHT = Gauge("pdserve:gateway_requests_in_flight", "Requests the gateway is serving now.",
+                           ("model",))
+
+
+class RequestObserver:
+    """Opens the span at construction; `finish(...)` ends it and records the metrics, once."""
+
+    def __init__(self, request_id: str, model: str, endpoint: str, num_prompt_tokens: int, max_tokens: int,
+                 stream: bool, received_monotonic: float) -> None:
+        self.model = model
+        self.start = received_monotonic
+        self.span = tracer.start_span("gateway.request", attributes={
+            "pdserve.request_id": request_id,
+            "gen_ai.operation.name": "chat" if "chat" in endpoint else "text_completion",
+            "gen_ai.request.model": model,
+            "gen_ai.request.max_tokens": max_tokens,
+            "gen_ai.usage.input_tokens": num_prompt_tokens,
+            "http.route": endpoint,
+            "pdserve.stream": stream,
+        })
+        self._num_prompt_tokens = num_prompt_tokens
+        self._finished = False
+        REQUESTS_IN_FLIGHT.labels(model).inc()
+
+    @contextmanager
+    def current(self) -> Iterator[None]:
+        """Make the span current (the bus injects it into outgoing messages)."""
+        with trace.use_span(self.span, end_on_exit=False):
+            yield
+
+    def finish(self, *, num_output_tokens: int, first_token_monotonic: float | None,
+               finish_reason: str | None, error_status: int | None = None, error: str | None = None) -> None:
+        if self._finished:
+            return
+        self._finished = True
+        REQUESTS_IN_FLIGHT.labels(self.model).dec()
+        self.span.set_attribute("gen_ai.usage.output_tokens", num_output_tokens)
+        if error_status is None:
+            self.span.set_attribute("gen_ai.response.finish_reasons", [str(finish_reason)])
+            REQUEST_SUCCESS.labels(self.model, str(finish_reason)).inc()
+            PROMPT_TOKENS.labels(self.model).inc(self._num_prompt_tokens)
+            GENERATION_TOKENS.labels(self.model).inc(num_output_tokens)
+            E2E_REQUEST_LATENCY_SECONDS.labels(self.model).observe(time.monotonic() - self.start)
+        else:
+            self.span.set_attribute("http.response.status_code", error_status)
+            self.span.set_status(Status(StatusCode.ERROR, error))
+            REQUEST_ERRORS.labels(self.model, str(error_status)).inc()
+        if first_token_monotonic is not None:
+            TIME_TO_FIRST_TOKEN_SECONDS.labels(self.model).observe(first_token_monotonic - self.start)
+        self.span.end()

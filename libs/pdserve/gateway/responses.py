@@ -1,0 +1,155 @@
+"""OpenAI response bodies, whole and streamed, for both endpoints.
+
+Shapes: OpenAI API reference ("The completion object", "The chat completion object", "The chat completion
+chunk object"). Ids are `cmpl-<request_id>` / `chatcmpl-<request_id>`. Streamed chunks are serialized with
+`exclude_unset`, so a field appears exactly when it is set: the first chat chunk carries the role, the last
+an empty delta with `finish_reason`, and `usage` is present (null until the final usage chunk) only when the
+client asked for `stream_options.include_usage`, as OpenAI does.
+"""
+
+from __future__ import annotations
+
+import time
+from typing import Literal
+
+from pydantic import BaseModel
+
+
+class Usage(BaseModel):
+    prompt_tokens: int
+    completion_tokens: int
+    total_tokens: int
+
+    @classmethod
+    def of(cls, prompt_tokens: int, completion_tokens: int) -> Usage:
+        return cls(prompt_tokens=prompt_tokens, completion_tokens=completion_tokens,
+                   total_tokens=prompt_tokens + completion_tokens)
+
+
+class CompletionChoice(BaseModel):
+    index: int = 0
+    text: str
+    logprobs: None = None
+    finish_reason: str | None = None
+
+
+class CompletionResponse(BaseModel):
+    """Both the whole /v1/completions answer and its stream chunks (OpenAI uses one object type)."""
+
+    id: str
+    object: Literal["text_completion"] = "text_completion"
+    created: int
+    model: str
+    choices: list[CompletionChoice]
+    usage: Usage | None = None
+
+
+class AssistantMessage(BaseModel):
+    role: Literal["assistant"] = "assistant"
+    content: str
+
+
+class ChatChoice(BaseModel):
+    index: int = 0
+    message: AssistantMessage
+    logprobs: None = None
+    finish_reason: str | None
+
+
+class ChatCompletionResponse(BaseModel):
+    id: str
+    object: Literal["chat.completion"] = "chat.completion"
+    created: int
+    model: str
+    choices: list[ChatChoice]
+    usage: Usage
+
+
+class Delta(BaseModel):
+    role: Literal["assistant"] | None = None
+    content: str | None = None
+
+
+class ChatChunkChoice(BaseModel):
+    index: int = 0
+    delta: Delta
+    logprobs: None = None
+    finish_reason: str | None = None
+
+
+class ChatCompletionChunk(BaseModel):
+    id: str
+    object: Literal["chat.completion.chunk"] = "chat.completion.chunk"
+    created: int
+    model: str
+    choices: list[ChatChunkChoice]
+    usage: Usage | None = None
+
+
+class Formatter:
+    """Builds one endpoint's bodies for one request. Subclasses: `CompletionFormatter`, `ChatFormatter`."""
+
+    id_prefix: str
+
+    def __init__(self, request_id: str, model: str, include_usage: bool = False) -> None:
+        self.id = f"{self.id_prefix}{request_id}"
+        self.model = model
+        self.created = int(time.time())
+        self.include_usage = include_usage
+
+    def whole(self, text: str, finish_reason: str | None, usage: Usage) -> BaseModel:
+        raise NotImplementedError
+
+    def opening_chunks(self) -> list[BaseModel]:
+        """Chunks sent as soon as the request is accepted (before any token)."""
+        return []
+
+    def text_chunk(self, text: str, finish_reason: str | None = None) -> BaseModel:
+        raise NotImplementedError
+
+    def usage_chunk(self, usage: Usage) -> BaseModel:
+        raise NotImplementedError
+
+    def _usage_field(self) -> dict[str, None]:
+        return {"usage": None} if self.include_usage else {}
+
+
+class CompletionFormatter(Formatter):
+    id_prefix = "cmpl-"
+
+    def whole(self, text: str, finish_reason: str | None, usage: Usage) -> CompletionResponse:
+        return CompletionResponse(id=self.id, created=self.created, model=self.model, usage=usage,
+                                  choices=[CompletionChoice(text=text, finish_reason=finish_reason)])
+
+    def text_chunk(self, text: str, finish_reason: str | None = None) -> CompletionResponse:
+        choice = CompletionChoice(index=0, text=text, logprobs=None, finish_reason=finish_reason)
+        return CompletionResponse(id=self.id, object="text_completion", created=self.created,
+                                  model=self.model, choices=[choice], **self._usage_field())
+
+    def usage_chunk(self, usage: Usage) -> CompletionResponse:
+        return CompletionResponse(id=self.id, object="text_completion", created=self.created,
+                                  model=self.model, choices=[], usage=usage)
+
+
+class ChatFormatter(Formatter):
+    id_prefix = "chatcmpl-"
+
+    def whole(self, text: str, finish_reason: str | None, usage: Usage) -> ChatCompletionResponse:
+        choice = ChatChoice(message=AssistantMessage(content=text), finish_reason=finish_reason)
+        return ChatCompletionResponse(id=self.id, created=self.created, model=self.model, choices=[choice],
+                                      usage=usage)
+
+    def opening_chunks(self) -> list[BaseModel]:
+        return [self._chunk(Delta(role="assistant", content=""), None)]
+
+    def text_chunk(self, text: str, finish_reason: str | None = None) -> ChatCompletionChunk:
+        return self._chunk(Delta(content=text) if text else Delta(), finish_reason)
+
+    def usage_chunk(self, usage: Usage) -> ChatCompletionChunk:
+        return ChatCompletionChunk(id=self.id, object="chat.completion.chunk", created=self.created,
+                                   model=self.model, choices=[], usage=usage)
+
+    def _chunk(self, delta: Delta, finish_reason: str | None) -> ChatCompletionChunk:
+        choice = ChatChunkChoice(index=0, delta=delta, logprobs=None, finish_reason=finish_reason)
+        return ChatCompletionChunk(id=self.id, object="chat.completion.chunk", created=self.created,
+                                   model=self.model, choices=[choice], **self._usage_field())

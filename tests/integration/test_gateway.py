@@ -1,0 +1,545 @@
+"""The gateway against real NATS, with a scripted coordinator in place of the real one.
+
+The coordinator double serves `Submit` and `Abort` on its own connection, replies `Accepted` (or refuses),
+and publishes the `TokenChunk`s a test scripts: in order, shuffled, repeated, with a hole, or ending in an
+error. Requests go through the ASGI app in process (httpx) and, for the official `openai` client and client
+disconnects, through a real uvicorn server.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import json
+import socket
+from collections.abc import AsyncIterator, Callable
+from dataclasses import dataclass, field
+
+import httpx
+import openai
+import pytest
+import uvicorn
+from opentelemetry import trace
+from opentelemetry.sdk.trace import TracerProvider
+from opentelemetry.sdk.trace.export import SimpleSpanProcessor
+from opentelemetry.sdk.trace.export.in_memory_span_exporter import InMemorySpanExporter
+
+from pdserve.bus import Bus, RejectedError
+from pdserve.config import CommonSettings, GatewaySettings, RecorderSettings
+from pdserve.engine.loader import load_tokenizer
+from pdserve.gateway.app import create_app
+from pdserve.messages import Abort, Accepted, Ack, FinishReason, RejectCode, Submit, TokenChunk
+from pdserve.store.queries import make_engine
+from pdserve.store.recorder import Recorder, caught_up
+
+MODEL = "SmolLM2-135M-Instruct"
+ANSWER = " Paris is the capital and largest city of France."
+
+# A script turns the accepted Submit into what the coordinator publishes: chunks, and pauses (seconds).
+Script = Callable[[Submit], list[TokenChunk | float]]
+
+
+@dataclass
+class ScriptedCoordinator:
+    bus: Bus
+    script: Script | None = None
+    reject: RejectedError | None = None
+    submits: list[Submit] = field(default_factory=list)
+    aborts: list[Abort] = field(default_factory=list)
+    submit_trace_ids: list[int] = field(default_factory=list)
+    playing: set[asyncio.Task] = field(default_factory=set)
+
+    async def serve(self) -> None:
+        await self.bus.serve(self.bus.subjects.submit, Submit, self.submit)
+        await self.bus.serve(self.bus.subjects.abort, Abort, self.abort)
+
+    async def submit(self, req: Submit) -> Accepted:
+        self.submits.append(req)
+        self.submit_trace_ids.append(trace.get_current_span().get_span_context().trace_id)
+        if self.reject is not None:
+            raise self.reject
+        if self.script is not None:
+            task = asyncio.create_task(self.play(self.script(req)))
+            self.playing.add(task)
+            task.add_done_callback(self.playing.discard)
+        return Accepted(request_id=req.request_id)
+
+    async def play(self, items: list[TokenChunk | float]) -> None:
+        for item in items:
+            if isinstance(item, TokenChunk):
+                await self.bus.publish(self.bus.subjects.tokens(item.request_id), item)
+            else:
+                await asyncio.sleep(item)
+
+    async def abort(self, req: Abort) -> Ack:
+        self.aborts.append(req)
+        return Ack()
+
+    async def abort_of(self, request_id: str, timeout_s: float = 5.0) -> Abort:
+        async with asyncio.timeout(timeout_s):
+            while True:
+                for a in self.aborts:
+                    if a.request_id == request_id:
+                        return a
+                await asyncio.sleep(0.02)
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+@pytest.fixture(scope="module")
+def tokenizer():
+    return load_tokenizer("tiny")
+
+
+@pytest.fixture(scope="module")
+def spans() -> InMemorySpanExporter:
+    """Finished spans of this process (an SDK provider is installed unless one already is)."""
+    provider = trace.get_tracer_provider()
+    if not isinstance(provider, TracerProvider):
+        provider = TracerProvider()
+        trace.set_tracer_provider(provider)
+    exporter = InMemorySpanExporter()
+    provider.add_span_processor(SimpleSpanProcessor(exporter))
+    return exporter
+
+
+@pytest.fixture(scope="module")
+def gw_settings(settings: CommonSettings) -> GatewaySettings:
+    return GatewaySettings(**settings.model_dump(), model="tiny", served_model_name=MODEL, max_model_len=256,
+                           request_timeout_s=20.0, token_gap_timeout_s=0.5)
+
+
+@pytest.fixture(scope="module")
+async def bus(settings: CommonSettings, spans) -> AsyncIterator[Bus]:
+    b = await Bus.connect(settings, "gateway")
+    yield b
+    await b.close()
+
+
+@pytest.fixture(scope="module")
+async def coordinator(settings: CommonSettings) -> AsyncIterator[ScriptedCoordinator]:
+    b = await Bus.connect(settings, "coordinator")
+    c = ScriptedCoordinator(b)
+    await c.serve()
+    yield c
+    for task in list(c.playing):
+        task.cancel()
+    await b.close()
+
+
+@pytest.fixture
+def coord(coordinator: ScriptedCoordinator) -> ScriptedCoordinator:
+    coordinator.script, coordinator.reject = None, None
+    return coordinator
+
+
+@pytest.fixture(scope="module")
+async def engine(database_url: str):
+    e = make_engine(database_url)
+    yield e
+    await e.dispose()
+
+
+@pytest.fixture(scope="module")
+def app(bus, tokenizer, gw_settings, engine):
+    return create_app(bus, tokenizer, gw_settings, engine)
+
+
+@pytest.fixture
+async def client(app) -> AsyncIterator[httpx.AsyncClient]:
+    async with httpx.AsyncClient(transport=httpx.ASGITransport(app), base_url="http://gateway",
+                                 timeout=30) as c:
+        yield c
+
+
+@pytest.fixture(scope="module")
+async def server_url(app) -> AsyncIterator[str]:
+    port = free_port()
+    server = uvicorn.Server(uvicorn.Config(app, host="127.0.0.1", port=port, log_config=None))
+    server.capture_signals = contextlib.nullcontext  # the test process keeps its own signal handlers
+    task = asyncio.create_task(server.serve())
+    async with asyncio.timeout(10):
+        while not server.started:
+            await asyncio.sleep(0.02)
+    yield f"http://127.0.0.1:{port}"
+    server.should_exit = True
+    await task
+
+
+# ------------------------------------------------------------------ scripts
+
+
+def in_order(ids: list[int], per_chunk: int = 3, finish: FinishReason = FinishReason.LENGTH) -> Script:
+    def script(req: Submit) -> list[TokenChunk | float]:
+        chunks: list[TokenChunk | float] = [
+            TokenChunk(request_id=req.request_id, index=i, token_ids=tuple(ids[i:i + per_chunk]))
+            for i in range(0, len(ids), per_chunk)
+        ]
+        chunks.append(TokenChunk(request_id=req.request_id, index=len(ids), finish_reason=finish))
+        return chunks
+    return script
+
+
+def shuffled_with_repeats(ids: list[int], finish: FinishReason = FinishReason.STOP) -> Script:
+    """Chunks of 2 tokens sent as: 1, 0, 0 again, 3, 2 plus 3 overlapping, end, 2 again."""
+    def script(req: Submit) -> list[TokenChunk | float]:
+        rid = req.request_id
+        c = [TokenChunk(request_id=rid, index=i, token_ids=tuple(ids[i:i + 2])) for i in range(0, 8, 2)]
+        tail = TokenChunk(request_id=rid, index=8, token_ids=tuple(ids[8:]), finish_reason=finish)
+        overlap = TokenChunk(request_id=rid, index=4, token_ids=tuple(ids[4:8]))
+        return [c[1], c[0], c[0], c[3], overlap, tail, c[2], c[2]]
+    return script
+
+
+def answer_ids(tokenizer) -> list[int]:
+    ids = tokenizer.encode(ANSWER)
+    assert len(ids) >= 10
+    return ids
+
+
+def sse_events(text: str) -> list[dict | str]:
+    events: list[dict | str] = []
+    for block in text.split("\n\n"):
+        if not block:
+            continue
+        assert block.startswith("data: "), block
+        data = block[len("data: "):]
+        events.append(data if data == "[DONE]" else json.loads(data))
+    return events
+
+
+# ------------------------------------------------------------------ non-streamed
+
+
+async def test_completion_returns_the_decoded_tokens_with_usage_and_request_id(client, coord, tokenizer):
+    ids = answer_ids(tokenizer)
+    coord.script = in_order(ids)
+    r = await client.post("/v1/completions", json={"model": MODEL, "prompt": "The capital of France is",
+                                                   "max_tokens": len(ids), "temperature": 0, "seed": 7})
+    assert r.status_code == 200, r.text
+    rid = r.headers["x-request-id"]
+    body = r.json()
+    assert body["id"] == f"cmpl-{rid}" and body["object"] == "text_completion" and body["model"] == MODEL
+    assert body["choices"] == [{"index": 0, "text": ANSWER, "logprobs": None, "finish_reason": "length"}]
+    prompt_ids = tokenizer.encode("The capital of France is")
+    assert body["usage"] == {"prompt_tokens": len(prompt_ids), "completion_tokens": len(ids),
+                             "total_tokens": len(prompt_ids) + len(ids)}
+    submit = next(s for s in coord.submits if s.request_id == rid)
+    assert list(submit.prompt_token_ids) == prompt_ids
+    sampling = submit.sampling
+    assert (sampling.max_tokens, sampling.temperature, sampling.seed) == (len(ids), 0.0, 7)
+    assert set(tokenizer.stop_token_ids) <= set(submit.sampling.stop_token_ids)
+
+
+async def test_chat_reorders_shuffled_chunks_and_drops_repeats(client, coord, tokenizer):
+    ids = answer_ids(tokenizer)
+    coord.script = shuffled_with_repeats(ids)
+    r = await client.post("/v1/chat/completions", json={
+        "model": MODEL, "messages": [{"role": "user", "content": "Capital of France?"}], "max_tokens": 50})
+    assert r.status_code == 200, r.text
+    body = r.json()
+    assert body["id"] == f"chatcmpl-{r.headers['x-request-id']}" and body["object"] == "chat.completion"
+    assert body["choices"][0]["message"] == {"role": "assistant", "content": ANSWER}
+    assert body["choices"][0]["finish_reason"] == "stop"
+    assert body["usage"]["completion_tokens"] == len(ids)
+    assert isinstance(body["created"], int)
+
+
+async def test_stop_string_truncates_the_text_and_aborts_the_request(client, coord, tokenizer):
+    ids = answer_ids(tokenizer)
+    coord.script = in_order(ids + ids, per_chunk=4)  # more than the stop string lets through
+    r = await client.post("/v1/completions", json={"model": MODEL, "prompt": "Q:", "max_tokens": 100,
+                                                   "stop": ["largest", "zzz"]})
+    assert r.status_code == 200, r.text
+    choice = r.json()["choices"][0]
+    assert choice["text"] == " Paris is the capital and " and choice["finish_reason"] == "stop"
+    consumed = r.json()["usage"]["completion_tokens"]
+    assert tokenizer.decode(ids[:consumed]).endswith("largest") and consumed < len(ids)
+    abort = await coord.abort_of(r.headers["x-request-id"])
+    assert abort.finish_reason is FinishReason.STOP
+
+
+async def test_error_chunk_is_a_500_with_the_reason(client, coord, tokenizer):
+    def script(req: Submit) -> list[TokenChunk | float]:
+        return [TokenChunk(request_id=req.request_id, index=0, token_ids=(5, 6)),
+                TokenChunk(request_id=req.request_id, index=0, error="decode: worker decode-1 lost")]
+    coord.script = script
+    r = await client.post("/v1/completions", json={"model": MODEL, "prompt": "hi"})
+    assert r.status_code == 500
+    error = r.json()["error"]
+    assert "worker decode-1 lost" in error["message"] and error["type"] == "server_error"
+    assert r.headers["x-request-id"] == coord.submits[-1].request_id
+
+
+async def test_capacity_refusal_is_a_503_with_retry_after(client, coord):
+    coord.reject = RejectedError(RejectCode.CAPACITY, "decode pool full")
+    r = await client.post("/v1/completions", json={"model": MODEL, "prompt": "hi"})
+    assert r.status_code == 503 and r.headers["retry-after"]
+    assert "decode pool full" in r.json()["error"]["message"]
+    assert r.headers["x-request-id"] == coord.submits[-1].request_id
+
+
+async def test_invalid_refusal_is_a_400(client, coord):
+    coord.reject = RejectedError(RejectCode.INVALID, "prompt_token_ids out of vocabulary")
+    r = await client.post("/v1/completions", json={"model": MODEL, "prompt": [999999]})
+    assert r.status_code == 400 and "vocabulary" in r.json()["error"]["message"]
+
+
+async def test_missing_coordinator_is_a_503(settings, bus, tokenizer, gw_settings):
+    lonely = CommonSettings(**{**settings.model_dump(), "subject_prefix": settings.subject_prefix + "x",
+                               "events_stream": settings.events_stream + "_X"})
+    b = await Bus.connect(lonely, "gateway")
+    try:
+        app = create_app(b, tokenizer, gw_settings, None)
+        async with httpx.AsyncClient(transport=httpx.ASGITransport(app), base_url="http://gw") as c:
+            r = await c.post("/v1/completions", json={"model": MODEL, "prompt": "hi"})
+        assert r.status_code == 503 and r.json()["error"]["code"] == "coordinator_unavailable"
+        assert "x-request-id" in r.headers
+    finally:
+        await b.close()
+        await bus.js.delete_stream(lonely.events_stream)
+
+
+async def test_no_tokens_within_the_request_timeout_is_a_504_and_aborts(bus, coord, tokenizer, gw_settings):
+    coord.script = lambda req: []  # accepted, then silence
+    app = create_app(bus, tokenizer, gw_settings.model_copy(update={"request_timeout_s": 0.5}), None)
+    async with httpx.AsyncClient(transport=httpx.ASGITransport(app), base_url="http://gw") as c:
+        r = await c.post("/v1/completions", json={"model": MODEL, "prompt": "hi"})
+    assert r.status_code == 504 and r.json()["error"]["code"] == "timeout"
+    abort = await coord.abort_of(r.headers["x-request-id"])
+    assert abort.reason == "request timeout" and abort.finish_reason is None
+
+
+async def test_a_hole_in_the_token_stream_fails_the_request_and_aborts(client, coord):
+    def script(req: Submit) -> list[TokenChunk | float]:
+        rid = req.request_id
+        return [TokenChunk(request_id=rid, index=0, token_ids=(5, 6)),
+                TokenChunk(request_id=rid, index=4, token_ids=(9,), finish_reason=FinishReason.LENGTH)]
+    coord.script = script
+    r = await client.post("/v1/completions", json={"model": MODEL, "prompt": "hi"})
+    assert r.status_code == 502 and r.json()["error"]["code"] == "token_stream_gap"
+    assert (await coord.abort_of(r.headers["x-request-id"])).reason == "token stream gap"
+
+
+# ------------------------------------------------------------------ streamed
+
+
+async def test_streamed_chat_opens_with_the_role_and_ends_with_usage_and_done(client, coord, tokenizer):
+    ids = answer_ids(tokenizer)
+    coord.script = shuffled_with_repeats(ids, finish=FinishReason.LENGTH)
+    r = await client.post("/v1/chat/completions", json={
+        "model": MODEL, "messages": [{"role": "user", "content": "Capital of France?"}], "max_tokens": 50,
+        "stream": True, "stream_options": {"include_usage": True}})
+    assert r.status_code == 200 and r.headers["content-type"].startswith("text/event-stream")
+    rid = r.headers["x-request-id"]
+    events = sse_events(r.text)
+    assert events[-1] == "[DONE]"
+    chunks = events[:-1]
+    assert all(c["id"] == f"chatcmpl-{rid}" and c["object"] == "chat.completion.chunk" for c in chunks)
+    assert chunks[0]["choices"][0]["delta"] == {"role": "assistant", "content": ""}
+    text = "".join(c["choices"][0]["delta"].get("content", "") for c in chunks if c["choices"])
+    assert text == ANSWER
+    assert chunks[-2]["choices"][0] == {"index": 0, "delta": {}, "logprobs": None, "finish_reason": "length"}
+    assert chunks[-1]["choices"] == [] and chunks[-1]["usage"]["completion_tokens"] == len(ids)
+    assert all(c["usage"] is None for c in chunks[:-1])
+
+
+async def test_streamed_completion_stops_at_the_stop_string_and_aborts(client, coord, tokenizer):
+    ids = answer_ids(tokenizer)
+    coord.script = in_order(ids + ids, per_chunk=1)
+    r = await client.post("/v1/completions", json={"model": MODEL, "prompt": "Q:", "max_tokens": 100,
+                                                   "stream": True, "stop": "city"})
+    events = sse_events(r.text)
+    assert events[-1] == "[DONE]"
+    assert "usage" not in events[0]
+    assert "".join(e["choices"][0]["text"] for e in events[:-1]) == " Paris is the capital and largest "
+    assert events[-2]["choices"][0]["finish_reason"] == "stop"
+    assert (await coord.abort_of(r.headers["x-request-id"])).finish_reason is FinishReason.STOP
+
+
+async def test_streamed_error_is_an_error_event_then_done(client, coord):
+    def script(req: Submit) -> list[TokenChunk | float]:
+        return [TokenChunk(request_id=req.request_id, index=0, token_ids=(5,)),
+                TokenChunk(request_id=req.request_id, index=0, error="prefill: timed out")]
+    coord.script = script
+    r = await client.post("/v1/completions", json={"model": MODEL, "prompt": "hi", "stream": True})
+    assert r.status_code == 200
+    events = sse_events(r.text)
+    assert events[-1] == "[DONE]"
+    assert "prefill: timed out" in events[-2]["error"]["message"]
+    assert set(events[-2]["error"]) == {"message", "type", "param", "code"}
+
+
+async def test_streamed_request_refused_before_the_stream_gets_a_plain_http_error(client, coord):
+    coord.reject = RejectedError(RejectCode.CAPACITY, "full")
+    r = await client.post("/v1/completions", json={"model": MODEL, "prompt": "hi", "stream": True})
+    assert r.status_code == 503 and r.json()["error"]["code"] == "capacity"
+
+
+# ------------------------------------------------------------------ bad input, other endpoints
+
+
+@pytest.mark.parametrize(("path", "content", "status", "code"), [
+    ("/v1/completions", b'{"model": "x", "prompt": ', 400, "json_invalid"),
+    ("/v1/completions", b"[1, 2]", 400, "json_invalid"),
+    ("/v1/chat/completions", json.dumps({"model": MODEL, "messages": []}).encode(), 400, None),
+    ("/v1/chat/completions", json.dumps({"model": MODEL, "messages": [{"role": 3}]}).encode(), 400, None),
+    ("/v1/completions", json.dumps({"model": MODEL, "prompt": "hi", "max_tokens": 0}).encode(), 400, None),
+    ("/v1/completions", json.dumps({"model": MODEL, "prompt": "hi", "temperature": "x"}).encode(), 400, None),
+    ("/v1/completions", json.dumps({"model": "gpt-4", "prompt": "hi"}).encode(), 404, "model_not_found"),
+    ("/v1/completions", json.dumps({"model": MODEL, "prompt": "hi " * 300}).encode(), 400,
+     "context_length_exceeded"),
+    ("/v1/completions", json.dumps({"model": MODEL, "prompt": "hi", "max_tokens": 300}).encode(), 400,
+     "context_length_exceeded"),
+    ("/v1/nothing", b"{}", 404, None),
+])
+async def test_bad_input_gets_an_openai_error_and_the_gateway_keeps_serving(
+        client, coord, tokenizer, path, content, status, code):
+    before = len(coord.submits)
+    r = await client.post(path, content=content, headers={"content-type": "application/json"})
+    assert r.status_code == status, r.text
+    error = r.json()["error"]
+    assert set(error) == {"message", "type", "param", "code"} and error["message"]
+    if code is not None:
+        assert error["code"] == code
+    assert len(coord.submits) == before  # nothing reached the coordinator
+    coord.script = in_order(answer_ids(tokenizer))
+    ok = await client.post("/v1/completions", json={"model": MODEL, "prompt": "hi", "max_tokens": 20})
+    assert ok.status_code == 200
+
+
+async def test_models_lists_the_served_model_and_unknown_ones_are_404(client):
+    r = await client.get("/v1/models")
+    assert [m["id"] for m in r.json()["data"]] == [MODEL] and r.json()["object"] == "list"
+    assert (await client.get(f"/v1/models/{MODEL}")).json()["max_model_len"] == 256
+    r = await client.get("/v1/models/gpt-4")
+    assert r.status_code == 404 and r.json()["error"]["code"] == "model_not_found"
+
+
+async def test_health_is_ok_while_nats_is_connected_and_metrics_count_requests(client, coord, tokenizer):
+    assert (await client.get("/health")).status_code == 200
+    coord.script = in_order(answer_ids(tokenizer))
+    assert (await client.post("/v1/completions", json={"model": MODEL, "prompt": "hi"})).status_code == 200
+    metrics = (await client.get("/metrics")).text
+    assert f'pdserve:request_success_total{{finished_reason="length",model="{MODEL}"}}' in metrics
+    assert "pdserve:time_to_first_token_seconds_bucket" in metrics
+
+
+async def test_request_span_carries_usage_and_is_the_parent_of_the_coordinators_work(
+        client, coord, tokenizer, spans):
+    ids = answer_ids(tokenizer)
+    coord.script = in_order(ids)
+    r = await client.post("/v1/completions", json={"model": MODEL, "prompt": "hi", "max_tokens": 20})
+    rid = r.headers["x-request-id"]
+    span = next(s for s in spans.get_finished_spans()
+                if s.name == "gateway.request" and s.attributes["pdserve.request_id"] == rid)
+    assert span.attributes["gen_ai.request.model"] == MODEL
+    assert span.attributes["gen_ai.usage.output_tokens"] == len(ids)
+    assert span.attributes["gen_ai.usage.input_tokens"] == len(tokenizer.encode("hi"))
+    index = [s.request_id for s in coord.submits].index(rid)
+    assert coord.submit_trace_ids[index] == span.context.trace_id
+
+
+async def test_lifecycle_endpoint_reads_the_recorded_events(client, coord, tokenizer, bus, engine, settings):
+    coord.script = in_order(answer_ids(tokenizer))
+    r = await client.post("/v1/completions", json={"model": MODEL, "prompt": "hi"})
+    rid = r.headers["x-request-id"]
+    coord.reject = RejectedError(RejectCode.CAPACITY, "decode pool full")
+    r = await client.post("/v1/completions", json={"model": MODEL, "prompt": "hi"})
+    refused = r.headers["x-request-id"]
+    stop = asyncio.Event()
+    task = asyncio.create_task(Recorder(bus, engine, RecorderSettings(**settings.model_dump())).run(stop))
+    try:
+        async with asyncio.timeout(20):
+            while not await caught_up(bus):
+                await asyncio.sleep(0.05)
+    finally:
+        stop.set()
+        await task
+    r = await client.get(f"/v1/requests/{rid}")
+    assert r.status_code == 200, r.text
+    received = [e for e in r.json()["events"] if e["type"] == "RequestReceived"]
+    assert received and received[0]["payload"]["endpoint"] == "/v1/completions"
+    assert received[0]["service"] == "gateway"
+    r = await client.get(f"/v1/requests/{refused}")
+    assert [e["type"] for e in r.json()["events"]] == ["RequestReceived", "RequestFailed"]
+    assert r.json()["events"][1]["payload"]["phase"] == "submit"
+    missing = await client.get("/v1/requests/0190a0b0-0000-7000-8000-000000000000")
+    assert missing.status_code == 404 and missing.json()["error"]["code"] == "request_not_found"
+
+
+async def test_lifecycle_endpoint_without_an_event_store_is_a_503(bus, tokenizer, gw_settings):
+    app = create_app(bus, tokenizer, gw_settings, None)
+    async with httpx.AsyncClient(transport=httpx.ASGITransport(app), base_url="http://gw") as c:
+        r = await c.get("/v1/requests/whatever")
+    assert r.status_code == 503
+
+
+# ------------------------------------------------------------------ real server: openai client, disconnects
+
+
+async def test_openai_client_reads_a_completion_and_a_chat_stream(server_url, coord, tokenizer):
+    ids = answer_ids(tokenizer)
+    client = openai.AsyncOpenAI(base_url=f"{server_url}/v1", api_key="unused", max_retries=0)
+    coord.script = in_order(ids)
+    completion = await client.completions.create(model=MODEL, prompt="The capital of France is",
+                                                 max_tokens=len(ids))
+    assert completion.choices[0].text == ANSWER and completion.usage.completion_tokens == len(ids)
+
+    coord.script = shuffled_with_repeats(ids)
+    stream = await client.chat.completions.create(
+        model=MODEL, messages=[{"role": "user", "content": "Capital of France?"}], max_tokens=50,
+        stream=True, stream_options={"include_usage": True})
+    parts, finish, usage = [], None, None
+    async for chunk in stream:
+        if chunk.choices:
+            parts.append(chunk.choices[0].delta.content or "")
+            finish = chunk.choices[0].finish_reason or finish
+        usage = chunk.usage or usage
+    assert "".join(parts) == ANSWER and finish == "stop" and usage.completion_tokens == len(ids)
+    await client.close()
+
+
+async def test_openai_client_raises_the_streamed_error(server_url, coord):
+    def script(req: Submit) -> list[TokenChunk | float]:
+        return [TokenChunk(request_id=req.request_id, index=0, error="decode: out of KV blocks")]
+    coord.script = script
+    client = openai.AsyncOpenAI(base_url=f"{server_url}/v1", api_key="unused", max_retries=0)
+    stream = await client.completions.create(model=MODEL, prompt="hi", stream=True)
+    with pytest.raises(openai.APIError, match="out of KV blocks"):
+        async for _ in stream:
+            pass
+    await client.close()
+
+
+def endless(ids: list[int]) -> Script:
+    """A few tokens, then nothing for longer than any test waits."""
+    return lambda req: [TokenChunk(request_id=req.request_id, index=0, token_ids=tuple(ids[:3])), 30.0]
+
+
+async def test_client_leaving_a_stream_aborts_the_request(server_url, coord, tokenizer):
+    coord.script = endless(answer_ids(tokenizer))
+    async with httpx.AsyncClient(timeout=10) as c:
+        async with c.stream("POST", f"{server_url}/v1/completions",
+                            json={"model": MODEL, "prompt": "hi", "stream": True}) as r:
+            rid = r.headers["x-request-id"]
+            async for line in r.aiter_lines():
+                if line.startswith("data: {"):
+                    break  # first token seen: hang up
+    abort = await coord.abort_of(rid)
+    assert abort.reason == "client disconnected"
+
+
+async def test_client_leaving_a_non_streamed_request_aborts_it(server_url, coord, tokenizer):
+    coord.script = endless(answer_ids(tokenizer))
+    before = len(coord.submits)
+    async with httpx.AsyncClient(timeout=httpx.Timeout(10, read=1.0)) as c:
+        with pytest.raises(httpx.ReadTimeout):
+            await c.post(f"{server_url}/v1/completions", json={"model": MODEL, "prompt": "hi"})
+    rid = coord.submits[before].request_id
+    abort = await coord.abort_of(rid)
+    assert abort.reason == "client disconnected"
