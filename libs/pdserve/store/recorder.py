@@ -16,6 +16,7 @@ import logging
 import time
 import uuid
 from collections import defaultdict
+from collections.abc import Awaitable, Callable
 
 import nats.errors
 import nats.js.errors
@@ -72,8 +73,9 @@ class Recorder:
 
     Lifecycle: `Recorder(bus, engine, settings)`; `await run(stop)` returns once `stop` is set and the
     batch in hand is committed and acked (or, if Postgres is down, nak'ed for redelivery). The caller
-    owns `bus` and `engine` and closes them afterwards. Run one recorder per stream: a second would
-    split batches between them, which stays correct but interleaves their transactions.
+    owns `bus` and `engine` and closes them afterwards. Run exactly one recorder per stream (DESIGN §4:
+    a single writer): two folding the first events of one request concurrently could each upsert a row
+    that lacks the other's events.
     """
 
     def __init__(
@@ -146,7 +148,7 @@ class Recorder:
                             len(msgs), type(e).__name__, e, delay)
                 if await _sleep_unless(stop, delay):
                     for msg in msgs:  # stopping: hand the batch back for immediate redelivery
-                        await msg.nak()
+                        await _settle(msg.nak)
                     return
                 delay = min(delay * 2, BACKOFF_S[1])
         last = msgs[-1].metadata
@@ -172,7 +174,7 @@ class Recorder:
             await self._project(conn, new)
         bad_ids = {id(m) for m in bad}
         for msg in msgs:
-            await (msg.term() if id(msg) in bad_ids else msg.ack())
+            await _settle(msg.term if id(msg) in bad_ids else msg.ack)
         EVENTS_RECORDED.inc(len(new))
         EVENTS_REJECTED.inc(len(bad))
         return len(new)
@@ -204,6 +206,15 @@ class Recorder:
 async def _fold_from_table(conn: AsyncConnection, request_id: str) -> Row | None:
     q = sa.select(events).where(events.c.request_id == request_id).order_by(events.c.stream_seq)
     return fold(row_event(r) for r in (await conn.execute(q)).mappings())
+
+
+async def _settle(how: Callable[[], Awaitable[None]]) -> None:
+    """Ack, nak or term one message. A failure only means JetStream redelivers it after `ACK_WAIT_S`,
+    which the idempotent insert absorbs, so it is logged, not raised."""
+    try:
+        await how()
+    except nats.errors.Error as e:
+        log.warning("could not %s a message (%s); it will be redelivered", how.__name__, e)
 
 
 def _age_s(msg: Msg) -> float:
