@@ -284,9 +284,9 @@ async def test_capacity_refusal_is_a_503_with_retry_after(client, coord):
 
 
 async def test_invalid_refusal_is_a_400(client, coord):
-    coord.reject = RejectedError(RejectCode.INVALID, "prompt_token_ids out of vocabulary")
-    r = await client.post("/v1/completions", json={"model": MODEL, "prompt": [999999]})
-    assert r.status_code == 400 and "vocabulary" in r.json()["error"]["message"]
+    coord.reject = RejectedError(RejectCode.INVALID, "sampling not supported by the engine")
+    r = await client.post("/v1/completions", json={"model": MODEL, "prompt": "hi"})
+    assert r.status_code == 400 and "not supported by the engine" in r.json()["error"]["message"]
 
 
 async def test_missing_coordinator_is_a_503(settings, bus, tokenizer, gw_settings):
@@ -395,6 +395,7 @@ async def test_streamed_request_refused_before_the_stream_gets_a_plain_http_erro
      "context_length_exceeded"),
     ("/v1/completions", json.dumps({"model": MODEL, "prompt": "hi", "max_tokens": 300}).encode(), 400,
      "context_length_exceeded"),
+    ("/v1/completions", json.dumps({"model": MODEL, "prompt": [1, 10**9]}).encode(), 400, None),
     ("/v1/nothing", b"{}", 404, None),
 ])
 async def test_bad_input_gets_an_openai_error_and_the_gateway_keeps_serving(

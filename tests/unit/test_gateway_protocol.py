@@ -122,6 +122,19 @@ def test_good_requests_accept_openai_fields_the_gateway_ignores():
     assert not CompletionRequest.model_validate({**COMPLETION, "stream": True}).include_usage
 
 
+def test_explicit_nulls_mean_the_defaults():
+    req = ChatCompletionRequest.model_validate({**CHAT, "temperature": None, "top_p": None, "n": None,
+                                                "stream": None, "presence_penalty": None})
+    assert (req.temperature, req.top_p, req.n, req.stream, req.presence_penalty) == (1.0, 1.0, 1, False, 0.0)
+
+
+def test_prompt_token_ids_outside_the_vocabulary_are_a_400(tokenizer):
+    req = CompletionRequest.model_validate({**COMPLETION, "prompt": [1, tokenizer.vocab_size]})
+    with pytest.raises(APIError) as info:
+        prepare_completion(req, tokenizer, max_model_len=2048)
+    assert "vocabulary" in assert_openai_error(info.value, 400, param="prompt")["message"]
+
+
 def test_chat_prompt_is_the_templated_conversation_with_the_generation_prompt(tokenizer):
     req = ChatCompletionRequest.model_validate({**CHAT, "max_completion_tokens": 7, "max_tokens": 99,
                                                 "temperature": 0, "top_k": 0, "seed": 3})

@@ -17,7 +17,7 @@ from typing import Any
 
 from fastapi import FastAPI, Request
 from fastapi.encoders import jsonable_encoder
-from fastapi.responses import JSONResponse, Response, StreamingResponse
+from fastapi.responses import JSONResponse, Response
 from prometheus_client import CONTENT_TYPE_LATEST, generate_latest
 from pydantic import ValidationError
 from sqlalchemy.ext.asyncio import AsyncEngine
@@ -37,7 +37,7 @@ from pdserve.gateway.observe import RequestObserver
 from pdserve.gateway.prompt import PreparedRequest, Tokenizer, check_model, prepare_chat, prepare_completion
 from pdserve.gateway.protocol import ChatCompletionRequest, CompletionRequest
 from pdserve.gateway.responses import ChatFormatter, CompletionFormatter, Formatter
-from pdserve.gateway.streaming import CLIENT_CLOSED_REQUEST, collect, event_stream
+from pdserve.gateway.streaming import CLIENT_CLOSED_REQUEST, GenerationStream, collect, event_stream
 from pdserve.ids import new_id
 from pdserve.store import queries
 
@@ -137,17 +137,20 @@ async def generate(request: Request, endpoint: Endpoint) -> Response:
     try:
         with observer.current():
             await gen.start()
-    except APIError as e:
+    except Exception as e:
+        err = e if isinstance(e, APIError) else APIError(
+            503, f"The message bus is unavailable: {type(e).__name__}: {e}", code="bus_unavailable",
+            headers={"Retry-After": "1"})
         observer.finish(num_output_tokens=0, first_token_monotonic=None, finish_reason=None,
-                        error_status=e.status, error=e.message)
+                        error_status=err.status, error=err.message)
         state.bus.spawn(gen.close())
-        raise
+        raise err from e
 
     fmt = endpoint.formatter(request_id, model, req.include_usage)
     headers = {REQUEST_ID_HEADER: request_id}
     if req.stream:
-        return StreamingResponse(event_stream(gen, fmt, observer, request), media_type="text/event-stream",
-                                 headers={**headers, "Cache-Control": "no-cache"})
+        return GenerationStream(event_stream(gen, fmt, observer, request), gen, observer,
+                                headers={**headers, "Cache-Control": "no-cache"})
     try:
         with observer.current():
             body = await collect(gen, fmt, observer, request)

@@ -23,6 +23,9 @@ class Tokenizer(Protocol):
     @property
     def stop_token_ids(self) -> Sequence[int]: ...
 
+    @property
+    def vocab_size(self) -> int: ...
+
     def encode(self, text: str) -> list[int]: ...
 
     def decode(self, ids: Sequence[int]) -> str: ...
@@ -54,6 +57,9 @@ def prepare_completion(req: CompletionRequest, tokenizer: Tokenizer, max_model_l
     ids = tokenizer.encode(prompt) if isinstance(prompt, str) else list(prompt)
     if not ids:
         raise invalid_request("prompt encodes to no tokens", param="prompt")
+    if max(ids) >= tokenizer.vocab_size:
+        raise invalid_request(f"prompt token id {max(ids)} is outside the vocabulary "
+                              f"(size {tokenizer.vocab_size})", param="prompt")
     max_tokens = req.max_tokens if req.max_tokens is not None else COMPLETIONS_DEFAULT_MAX_TOKENS
     return _prepared(req, tokenizer, ids, max_tokens, max_model_len, param="prompt")
 

@@ -13,7 +13,7 @@ from __future__ import annotations
 
 from typing import Annotated, Any, Literal
 
-from pydantic import BaseModel, ConfigDict, Field, field_validator, model_validator
+from pydantic import BaseModel, ConfigDict, Field, ValidationInfo, field_validator, model_validator
 
 TokenId = Annotated[int, Field(ge=0)]
 
@@ -46,6 +46,13 @@ class _SamplingFields(BaseModel):
     logit_bias: dict[str, float] | None = None
     user: str | None = None
     cache_salt: str | None = Field(None, description="Accepted; prefix-cache isolation is not implemented.")
+
+    @field_validator("stream", "temperature", "top_p", "top_k", "n", "presence_penalty", "frequency_penalty",
+                     mode="before")
+    @classmethod
+    def _null_is_default(cls, v: Any, info: ValidationInfo) -> Any:
+        # Clients and SDKs often send explicit nulls for "not set" (vLLM accepts them the same way).
+        return cls.model_fields[info.field_name].default if v is None else v
 
     @field_validator("max_tokens")
     @classmethod

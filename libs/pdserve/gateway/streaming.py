@@ -16,6 +16,8 @@ from typing import Any
 
 from fastapi import Request
 from pydantic import BaseModel
+from starlette.responses import StreamingResponse
+from starlette.types import Receive, Scope, Send
 
 from pdserve.gateway.errors import APIError
 from pdserve.gateway.generation import ClientDisconnected, Generation
@@ -108,3 +110,29 @@ async def collect(gen: Generation, fmt: Formatter, observer: RequestObserver, re
 def _finish(observer: RequestObserver, gen: Generation, status: int | None, error: str | None) -> None:
     observer.finish(num_output_tokens=gen.num_output_tokens, first_token_monotonic=gen.first_token_monotonic,
                     finish_reason=gen.finish_reason, error_status=status, error=error)
+
+
+class GenerationStream(StreamingResponse):
+    """The SSE response of one generation. If the body never starts (the client left before the first
+    byte, so `event_stream` never ran), the request is still aborted and its span and subscription closed."""
+
+    def __init__(self, content: AsyncIterator[str], gen: Generation, observer: RequestObserver,
+                 headers: dict[str, str]) -> None:
+        super().__init__(content, media_type="text/event-stream", headers=headers)
+        self._gen = gen
+        self._observer = observer
+
+    async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
+        try:
+            await super().__call__(scope, receive, send)
+        finally:
+            if not self._gen.ended:
+                self._gen.disconnect()
+            self._gen.bus.spawn(self._close_body())
+            _finish(self._observer, self._gen, CLIENT_CLOSED_REQUEST, "client disconnected")
+
+    async def _close_body(self) -> None:
+        # A body cancelled while suspended at a yield is not finalized by Starlette: close it (its finally
+        # cancels the disconnect watcher), then the subscription.
+        await self.body_iterator.aclose()  # type: ignore[attr-defined]
+        await self._gen.close()
