@@ -52,11 +52,12 @@ def prepare_database(database_url: str) -> str:
 class Supervisor:
     """Runs one stack until signalled. `run()` returns the process exit status."""
 
-    def __init__(self, args: argparse.Namespace) -> None:
+    def __init__(self, args: argparse.Namespace, plan: list[ServiceSpec] | None = None) -> None:
+        """`args` as `parse_args` makes them; `plan`, when given, replaces `service_plan(mode, ...)`."""
         self.var_dir: Path = args.var_dir.resolve()
         self.model: str = args.model
         self.port: int = args.port
-        self.plan: list[ServiceSpec] = service_plan(args.mode, args.prefill, args.decode)
+        self.plan: list[ServiceSpec] = plan or service_plan(args.mode, args.prefill, args.decode)
         self.servers: list[EmbeddedServer] = []
         self.stopping = asyncio.Event()
         self.procs: dict[str, asyncio.subprocess.Process] = {}
@@ -75,10 +76,23 @@ class Supervisor:
             setattr(self.state, key, value)
         write_state(self.var_dir, self.state)
 
+    def stop(self) -> None:
+        """Ask `run()` to stop the stack (what SIGTERM/SIGINT do)."""
+        self.stopping.set()
+
     async def run(self) -> int:
+        """Start the stack, supervise it until `stop()` or a signal, stop it. Returns 0, or 1 when the
+        backing services or migrations failed (the reason is in stack.json's `error` and the log)."""
         loop = asyncio.get_running_loop()
         for sig in (signal.SIGTERM, signal.SIGINT):
-            loop.add_signal_handler(sig, self.stopping.set)
+            loop.add_signal_handler(sig, self.stop)
+        try:
+            return await self._run()
+        finally:
+            for sig in (signal.SIGTERM, signal.SIGINT):
+                loop.remove_signal_handler(sig)
+
+    async def _run(self) -> int:
         (self.var_dir / "log").mkdir(parents=True, exist_ok=True)
         try:
             await self.start_backing_services()
@@ -98,6 +112,7 @@ class Supervisor:
         await self.stop_children()
         for task in tasks:
             task.cancel()
+        await asyncio.gather(*tasks, return_exceptions=True)
         self.stop_servers()
         remove_state(self.var_dir)
         log.info("stack stopped")
@@ -209,6 +224,10 @@ class Supervisor:
         ]
         for tier in tiers:
             live = {n: self.procs[n] for n in tier if n in self.procs and self.procs[n].returncode is None}
+            if not live:
+                continue
+            started = time.monotonic()
+            log.info("stopping %s", ", ".join(live))
             for proc in live.values():
                 proc.send_signal(signal.SIGTERM)
             for name, proc in live.items():
@@ -218,6 +237,7 @@ class Supervisor:
                     log.warning("%s ignored SIGTERM for %.0f s: killing it", name, _STOP_TIMEOUT_S)
                     proc.kill()
                     await proc.wait()
+            log.info("stopped %s in %.1f s", ", ".join(live), time.monotonic() - started)
 
 
 def parse_args(argv: list[str] | None = None) -> argparse.Namespace:

@@ -122,6 +122,9 @@ def _wait_until_serving(proc: subprocess.Popen, var_dir: Path, supervisor_log: P
     assert state is not None
     for note in state.notes:
         console.print(f"[yellow]note:[/] {note}")
+    for name, svc in state.services.items():
+        if svc.restarts:
+            console.print(f"[yellow]warning:[/] {name} was restarted {svc.restarts}× (`pdserve logs {name}`)")
     console.print(
         f"[green]pdserve is up[/] ({state.mode}, model {state.model}, {len(state.services)} processes) "
         f"in {time.monotonic() - started:.0f} s"
@@ -129,7 +132,7 @@ def _wait_until_serving(proc: subprocess.Popen, var_dir: Path, supervisor_log: P
     console.print(f"  gateway   {state.gateway_url}  (OpenAI API: {state.gateway_url}/v1)")
     console.print(f"  nats      {state.nats_url}\n  database  {state.database_url}")
     console.print(
-        f"  logs      {var_dir / 'log'}   (`pdserve status`, `pdserve logs [service] -f`, `pdserve down`)"
+        f"  logs      {var_dir / 'log'}   (`pdserve status`, `pdserve logs \\[service] -f`, `pdserve down`)"
     )
     return 0
 
@@ -157,6 +160,7 @@ def down(args: argparse.Namespace) -> int:
     if state is None:
         console.print("pdserve is not running (no var/run/stack.json).")
         return 0
+    was_running = is_alive(state.supervisor)
     clean = stop_process(state.supervisor, timeout_s=args.timeout)
     # After a clean stop these are all gone; after a SIGKILL of the supervisor, stop what it left.
     leftovers = [s.ref for s in state.services.values() if is_alive(s.ref)]
@@ -167,7 +171,12 @@ def down(args: argparse.Namespace) -> int:
     if (pg := state.servers.get("postgres")) is not None:
         stop_process(pg.ref, timeout_s=10.0, sig=signal.SIGINT)  # SIGINT = Postgres "fast" shutdown
     remove_state(var_dir)
-    how = "stopped" if clean else f"killed after {args.timeout:.0f} s (see var/log/supervisor.log)"
+    if not was_running:
+        how = "was not running (its supervisor had died); cleaned up what it left"
+    elif clean:
+        how = "stopped"
+    else:
+        how = f"killed after {args.timeout:.0f} s (see var/log/supervisor.log)"
     console.print(f"pdserve {how}; {len(state.services)} processes, supervisor pid {state.supervisor_pid}.")
     return 0
 
