@@ -98,7 +98,7 @@ class Supervisor:
             await self.start_backing_services()
         except Exception as exc:
             log.exception("stack failed to start")
-            self.save(phase="failed", error=f"{type(exc).__name__}: {exc}")
+            self.save(phase="failed", error=f"{self.state.phase}: {type(exc).__name__}: {exc}")
             self.stop_servers()
             return 1
         tasks = []

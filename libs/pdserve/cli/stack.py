@@ -24,7 +24,7 @@ from pdserve.process import is_alive, stop_process
 from pdserve.service_plan import MODELS, MODES
 from pdserve.stack_state import StackState, read_state, remove_state
 
-console = Console(highlight=False)
+console = Console(highlight=False, soft_wrap=True)  # long URLs and paths stay on one line
 _TAIL_LINES = 25
 
 
@@ -227,6 +227,8 @@ def status(args: argparse.Namespace) -> int:
 
 def _log_files(var_dir: Path, state: StackState | None) -> dict[str, Path]:
     files = {p.stem: p for p in sorted((var_dir / "log").glob("*.log"))}
+    if (pg_log := var_dir / "pg" / "log").exists():  # pgserver writes the server log into its data dir
+        files["postgres"] = pg_log
     if state is not None:
         files.update({n: Path(s.log) for n, s in state.servers.items()})
         files.update({n: Path(s.log) for n, s in state.services.items()})
