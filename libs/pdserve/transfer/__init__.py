@@ -1,0 +1,42 @@
+"""KV cache transfer between prefill and decode workers (DESIGN §3, data plane).
+
+`make_transport("ucxx")` — UCX shared memory (or TCP via `UCX_TLS`), the production path;
+`make_transport("tcp")` — plain asyncio TCP, the no-RDMA baseline. Both implement `KVTransport`.
+"""
+
+from __future__ import annotations
+
+from pdserve.transfer.base import (
+    ChecksumMismatchError,
+    Inbound,
+    KVTransport,
+    TransferCancelled,
+    TransferError,
+    TransferStats,
+    TransferTimeout,
+)
+
+
+def make_transport(kind: str) -> KVTransport:
+    """A new, not yet started transport of `kind` ('ucxx' | 'tcp'). Raises ValueError for another kind."""
+    if kind == "ucxx":
+        from pdserve.transfer.ucxx_transport import UcxxTransport
+
+        return UcxxTransport()
+    if kind == "tcp":
+        from pdserve.transfer.tcp_transport import TcpTransport
+
+        return TcpTransport()
+    raise ValueError(f"unknown KV transport {kind!r}: expected 'ucxx' or 'tcp'")
+
+
+__all__ = [
+    "ChecksumMismatchError",
+    "Inbound",
+    "KVTransport",
+    "TransferCancelled",
+    "TransferError",
+    "TransferStats",
+    "TransferTimeout",
+    "make_transport",
+]

@@ -1,0 +1,185 @@
+"""KV transfer over UCX (`ucxx`, the maintained successor of ucx-py; DESIGN §3, §9).
+
+Receiver: one UCX worker per process, published as the endpoint address (base64 of its UCX worker
+address, handed to peers out of band in the Reservation). It receives with worker-level tagged receives,
+so it needs no endpoint back to any sender: a receive loop takes every control message on `_CONTROL_TAG`;
+a `ChunkHeader` names the tag its payload travels on, and the payload is received on that tag straight
+into the expected transfer's buffer view.
+
+Sender: an endpoint per peer from `create_endpoint_from_worker_address`, cached and reused; each chunk is
+the header on `_CONTROL_TAG` and the payload on a tag unique to this sender (random 31-bit sender id,
+32-bit sequence number) sent together.
+
+Configuration measured fastest here (DESIGN §9: 5.4 / 7.0 / 7.7 GB/s at 1 / 16 / 256 MiB, against 1.9-2.0
+for UCX over TCP): shared memory (`UCX_TLS=sm,self`), `endpoint_error_handling=False`, blocking progress
+driven by the event loop. With error handling off a dead peer is not reported here: workers detect it by
+heartbeats. `UCX_TLS` / `UCXPY_PROGRESS_MODE` in the environment override the defaults (e.g. `tcp,self`
+between hosts). UCX is configured once per process, at the first `start()`.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import base64
+import logging
+import os
+import random
+
+import numpy as np
+
+from pdserve.messages import KVEndpoint
+from pdserve.transfer.base import TransferError
+from pdserve.transfer.chunked import ChunkedTransport
+from pdserve.transfer.header import MAX_CONTROL_BYTES, ChunkHeader, FinishMarker, decode_control, encode_control
+from pdserve.transfer.receiver import Landing
+
+log = logging.getLogger(__name__)
+
+# Control messages use a tag with the top bit set; payload tags never have it, so the two cannot collide.
+_CONTROL_TAG = 0xF0D5_E27E_0000_0001
+_DEFAULT_TLS = "sm,self"
+_DEFAULT_PROGRESS_MODE = "blocking"
+
+_context = None  # the process's ucxx ApplicationContext: one UCX worker per process
+_context_owner: UcxxTransport | None = None
+
+
+def _ucx_context():
+    """The process-wide ucxx context, created on first use on the running event loop."""
+    global _context
+    if _context is None:
+        # ucxx sets UCX_MEMTYPE_CACHE, which this CPU build of UCX does not know and would warn about.
+        os.environ.setdefault("UCX_WARN_UNUSED_ENV_VARS", "n")
+        from ucxx._lib_async import ApplicationContext
+
+        _context = ApplicationContext(
+            {"TLS": os.environ.get("UCX_TLS", _DEFAULT_TLS)},
+            progress_mode=os.environ.get("UCXPY_PROGRESS_MODE", _DEFAULT_PROGRESS_MODE),
+        )
+    else:
+        # A later start() on another loop (tests run several) must progress the worker there too.
+        _context.continuous_ucx_progress(asyncio.get_running_loop())
+    return _context
+
+
+class UcxxTransport(ChunkedTransport):
+    """`KVTransport` over UCX tagged messages. At most one is started per process (it owns the process's
+    UCX worker); `start()` raises RuntimeError for a second."""
+
+    kind = "ucxx"
+
+    def __init__(self) -> None:
+        super().__init__()
+        self._ctx = None
+        self._address: str | None = None
+        self._sender_id = random.getrandbits(31)
+        self._seq = 0
+        self._endpoints: dict[str, object] = {}
+        self._connecting: dict[str, asyncio.Lock] = {}
+        self._tasks: set[asyncio.Task[None]] = set()
+
+    async def start(self) -> None:
+        global _context_owner
+        if _context_owner is not None and _context_owner is not self:
+            raise RuntimeError("a UcxxTransport is already started in this process (one UCX worker each)")
+        self._bind()
+        self._ctx = _ucx_context()
+        _context_owner = self
+        self._address = base64.b64encode(self._ctx.worker_address.tobytes()).decode("ascii")
+        self._spawn(self._recv_loop())
+
+    def endpoint(self) -> KVEndpoint:
+        if self._address is None:
+            raise RuntimeError("UcxxTransport is not started")
+        return KVEndpoint(transport="ucxx", address=self._address)
+
+    async def stop(self) -> None:
+        global _context_owner
+        for task in list(self._tasks):
+            task.cancel()
+        await asyncio.gather(*self._tasks, return_exceptions=True)
+        if self._ctx is not None:
+            # The control receive posted by the loop would otherwise stay posted and swallow the first
+            # control message meant for a transport started later in this process.
+            self._ctx.worker.cancel_inflight_requests()
+        for ep in self._endpoints.values():
+            ep.abort()
+        self._endpoints.clear()
+        self._address = None
+        if _context_owner is self:
+            _context_owner = None
+
+    # -- sending
+
+    async def _send_chunk(self, endpoint: KVEndpoint, header: ChunkHeader, payload: np.ndarray) -> None:
+        ep = await self._endpoint_to(endpoint.address)
+        self._seq = (self._seq + 1) & 0xFFFF_FFFF
+        tag = (self._sender_id << 32) | self._seq
+        frame = bytearray(encode_control(header.model_copy(update={"payload_tag": tag})))
+        sends = [ep.send(frame, tag=_CONTROL_TAG, force_tag=True)]
+        if payload.nbytes:
+            sends.append(ep.send(payload, tag=tag, force_tag=True))
+        await self._guard(endpoint.address, asyncio.gather(*sends))
+
+    async def _send_control(self, endpoint: KVEndpoint, msg: FinishMarker) -> None:
+        ep = await self._endpoint_to(endpoint.address)
+        await self._guard(endpoint.address, ep.send(bytearray(encode_control(msg)), tag=_CONTROL_TAG,
+                                                    force_tag=True))
+
+    async def _guard(self, address: str, sending) -> None:
+        try:
+            await sending
+        except Exception as e:  # ucxx raises its own UCXError family
+            if (ep := self._endpoints.pop(address, None)) is not None:
+                ep.abort()
+            raise TransferError(f"UCX send to {address[:16]}… failed: {e}") from e
+
+    async def _endpoint_to(self, address: str):
+        if (ep := self._endpoints.get(address)) is not None:
+            return ep
+        async with self._connecting.setdefault(address, asyncio.Lock()):
+            if (ep := self._endpoints.get(address)) is not None:
+                return ep
+            import ucxx._lib.libucxx as ucx_api
+
+            try:
+                worker_address = ucx_api.UCXAddress.create_from_buffer(base64.b64decode(address))
+                ep = await self._ctx.create_endpoint_from_worker_address(worker_address,
+                                                                          endpoint_error_handling=False)
+            except Exception as e:
+                raise TransferError(f"cannot reach UCX worker {address[:16]}…: {e}") from e
+            self._endpoints[address] = ep
+            return ep
+
+    # -- receiving
+
+    def _spawn(self, coro) -> None:
+        task = asyncio.get_running_loop().create_task(coro)
+        self._tasks.add(task)
+        task.add_done_callback(self._tasks.discard)
+
+    async def _recv_loop(self) -> None:
+        """Take every control message addressed to this worker, from any sender."""
+        table = self._receiving()
+        control = bytearray(MAX_CONTROL_BYTES)
+        while True:
+            await self._ctx.recv(control, _CONTROL_TAG)
+            try:
+                msg = decode_control(control)
+            except ValueError as e:
+                log.warning("dropping a malformed KV control message: %s", e)
+                continue
+            if isinstance(msg, FinishMarker):
+                table.finish(msg)
+            else:
+                # Land payloads concurrently so one large chunk does not hold up other senders' headers.
+                self._spawn(self._land(msg, table.open_chunk(msg)))
+
+    async def _land(self, header: ChunkHeader, landing: Landing) -> None:
+        landed = False
+        try:
+            if header.nbytes:
+                await self._ctx.recv(landing.view, header.payload_tag)
+            landed = True
+        finally:
+            await self._receiving().close_chunk(header, landing, landed_ok=landed)
