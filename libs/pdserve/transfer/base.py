@@ -30,7 +30,8 @@ class ChecksumMismatchError(TransferError):
     (both xxh3-64 hex). Raised for the first bad chunk of a transfer."""
 
     def __init__(self, transfer_id: str, layer: int, chunk: int, expected: str, actual: str) -> None:
-        super().__init__(f"transfer {transfer_id} layer {layer} chunk {chunk}: checksum {actual} != {expected}")
+        super().__init__(f"transfer {transfer_id} layer {layer} chunk {chunk}: "
+                         f"checksum {actual} != {expected}")
         self.transfer_id = transfer_id
         self.layer = layer
         self.chunk = chunk

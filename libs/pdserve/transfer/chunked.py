@@ -63,7 +63,8 @@ class ChunkedTransport(KVTransport):
                 endpoint, transfer_id, layer, chunk, token_start, data, traceparent))
         self._check_endpoint(endpoint)
         payload = byte_view(data)  # raises ValueError when not contiguous
-        parent = propagate.extract({"traceparent": traceparent}) if traceparent else otel_context.get_current()
+        parent = (propagate.extract({"traceparent": traceparent}) if traceparent
+                  else otel_context.get_current())
         with tracer.start_as_current_span("transfer.send", context=parent) as span:
             span.set_attribute("pdserve.transfer_id", transfer_id)
             span.set_attribute("pdserve.layer", layer)
@@ -77,7 +78,8 @@ class ChunkedTransport(KVTransport):
             propagate.inject(carrier)
             header = ChunkHeader(transfer_id=transfer_id, layer=layer, chunk=chunk, token_start=token_start,
                                  nbytes=payload.nbytes, dtype=str(data.dtype).removeprefix("torch."),
-                                 shape=tuple(data.shape), checksum=checksum, traceparent=carrier.get("traceparent"))
+                                 shape=tuple(data.shape), checksum=checksum,
+                                 traceparent=carrier.get("traceparent"))
             await self._send_chunk(endpoint, header, payload)
         return payload.nbytes
 

@@ -114,11 +114,13 @@ class ReceiveTable:
 
     def _buffer_view(self, inbound: Inbound, header: ChunkHeader) -> np.ndarray:
         if header.layer >= len(inbound.buffers):
-            raise TransferError(f"transfer {header.transfer_id}: layer {header.layer} of {len(inbound.buffers)}")
+            raise TransferError(f"transfer {header.transfer_id}: layer {header.layer} "
+                                f"of {len(inbound.buffers)}")
         buf = inbound.buffers[header.layer]
         row_bytes = buf[0].numel() * buf.element_size()
         n_tokens = header.shape[0]
-        fits = (str(buf.dtype).removeprefix("torch.") == header.dtype and tuple(buf.shape[1:]) == header.shape[1:]
+        fits = (str(buf.dtype).removeprefix("torch.") == header.dtype
+                and tuple(buf.shape[1:]) == header.shape[1:]
                 and header.nbytes == n_tokens * row_bytes and header.token_start + n_tokens <= buf.shape[0])
         if not fits:
             raise TransferError(f"transfer {header.transfer_id} layer {header.layer}: chunk {header.dtype} "

@@ -9,7 +9,6 @@ straight into the expected transfer's buffer view (`StreamReader.readexactly` in
 from __future__ import annotations
 
 import asyncio
-import contextlib
 import logging
 import socket
 

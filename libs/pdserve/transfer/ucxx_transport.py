@@ -30,7 +30,13 @@ import numpy as np
 from pdserve.messages import KVEndpoint
 from pdserve.transfer.base import TransferError
 from pdserve.transfer.chunked import ChunkedTransport
-from pdserve.transfer.header import MAX_CONTROL_BYTES, ChunkHeader, FinishMarker, decode_control, encode_control
+from pdserve.transfer.header import (
+    MAX_CONTROL_BYTES,
+    ChunkHeader,
+    FinishMarker,
+    decode_control,
+    encode_control,
+)
 from pdserve.transfer.receiver import Landing
 
 log = logging.getLogger(__name__)
