@@ -269,8 +269,12 @@ class DecodeAdmitted(Message):
 
 
 class Release(Message):
+    """Free what the request holds. With `finish_reason`, a running sequence is finished (its tokens
+    committed and the coordinator told) rather than dropped: the gateway ended it (a stop string)."""
+
     request_id: str
     reason: str = "finished"
+    finish_reason: FinishReason | None = None
 
 
 class DecodeFinished(Message):

@@ -31,9 +31,13 @@ class Coordinator:
     async def abort(self, req: Abort) -> Ack:
         """Cancel a request in any phase; its lifecycle emits RequestAborted and releases its KV."""
         entry = self.active.get(req.request_id)
-        if entry is not None:
-            log.info("aborting %s: %s", req.request_id, req.reason)
-            entry[1].cancel()
+        if entry is None:
+            return Ack()
+        lifecycle, task = entry
+        if req.finish_reason is not None and await lifecycle.finish_early(req.finish_reason, req.reason):
+            return Ack()
+        log.info("aborting %s: %s", req.request_id, req.reason)
+        task.cancel()
         return Ack()
 
     async def finished(self, msg: DecodeFinished) -> Ack:

@@ -32,6 +32,7 @@ from pdserve.messages import (
     Ack,
     DecodeAdmitted,
     DecodeFinished,
+    FinishReason,
     PrefillRequest,
     PrefillResult,
     RejectCode,
@@ -66,6 +67,7 @@ class RequestLifecycle:
         self.finished: asyncio.Future[DecodeFinished] = asyncio.get_running_loop().create_future()
         self.holders: set[str] = set()  # workers that may hold something of this request
         self.phase = "route"
+        self.decision: RouteDecision | None = None
 
     async def run(self) -> None:
         try:
@@ -86,7 +88,7 @@ class RequestLifecycle:
 
     async def _run(self, span: trace.Span) -> None:
         t_route = time.time()
-        decision = await self._route()
+        decision = self.decision = await self._route()
         t_reserve = time.time()
         for attempt in range(1, self.settings.max_prefill_attempts + 1):
             reservation = await self._reserve(decision)
@@ -196,10 +198,19 @@ class RequestLifecycle:
                             sampling=self.submit.sampling),
                 DecodeAdmitted, self.settings.prefill_timeout_s)
 
-    async def _release(self, worker: str, reason: str) -> None:
+    async def finish_early(self, finish_reason: FinishReason, reason: str) -> bool:
+        """The gateway ended a decoding request as finished (a stop string): the decode worker commits
+        its tokens and reports `DecodeFinished`, so the request completes. False if not decoding."""
+        if self.phase != "decode" or self.decision is None:
+            return False
+        await self._release(self.decision.decode_worker_id, reason, finish_reason)
+        return True
+
+    async def _release(self, worker: str, reason: str, finish_reason: FinishReason | None = None) -> None:
         try:
             await self.bus.request(self.bus.subjects.worker(worker, "release"),
-                                   Release(request_id=self.request_id, reason=reason), Ack, timeout_s=2.0)
+                                   Release(request_id=self.request_id, reason=reason, finish_reason=finish_reason),
+                                   Ack, timeout_s=2.0)
             self.holders.discard(worker)
         except (BusTimeout, RejectedError) as e:
             log.warning("release of %s on %s failed: %s", self.request_id, worker, e)

@@ -64,6 +64,13 @@ class DecodeLoop:
             self._wakeup.set()
         return seq.first_token_ts
 
+    async def finish_now(self, request_id: str, reason: FinishReason) -> None:
+        """End a running sequence as finished (e.g. the gateway matched a stop string)."""
+        seq = self.running.get(request_id)
+        if seq is not None:
+            await self._commit(seq)
+            self._finish(seq, reason)
+
     def stop(self, request_id: str) -> None:
         seq = self.running.pop(request_id, None)
         if seq is not None and seq.span is not None:

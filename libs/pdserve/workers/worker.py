@@ -108,6 +108,8 @@ class Worker:
                            endpoint=endpoint, num_tokens=num_tokens)
 
     async def release(self, req: Release) -> Ack:
+        if req.finish_reason is not None:
+            await self.decode.finish_now(req.request_id, req.finish_reason)
         self.decode.stop(req.request_id)
         self.slots.release(req.request_id)
         self.prefilled.pop(req.request_id, None)

@@ -1,0 +1,100 @@
+"""A whole pdserve stack as real processes, for end-to-end and fault tests.
+
+The processes are exactly `service_plan(mode)`'s, started with `python -m <module>` against the test
+run's NATS and Postgres, with this run's subject prefix and events stream so runs never mix.
+"""
+
+from __future__ import annotations
+
+import os
+import signal
+import socket
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import httpx
+
+from pdserve.config import CommonSettings
+from pdserve.service_plan import ServiceSpec, service_plan
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+class Stack:
+    def __init__(self, settings: CommonSettings, var_dir: Path, model: str = "tiny",
+                 mode: str = "disaggregated", n_prefill: int = 1, n_decode: int = 1) -> None:
+        self.settings = settings
+        self.var_dir = var_dir
+        self.model = model
+        self.plan = service_plan(mode, n_prefill, n_decode)
+        self.port = free_port()
+        self.url = f"http://127.0.0.1:{self.port}"
+        self.procs: dict[str, subprocess.Popen] = {}
+
+    def env(self, spec: ServiceSpec) -> dict[str, str]:
+        env = dict(os.environ)
+        env.update(spec.environment(nats_url=self.settings.nats_url, database_url=self.settings.database_url,
+                                    model=self.model, var_dir=self.var_dir, gateway_port=self.port))
+        env.update(PDS_SUBJECT_PREFIX=self.settings.subject_prefix, PDS_EVENTS_STREAM=self.settings.events_stream,
+                   OTEL_BSP_SCHEDULE_DELAY="200")
+        env.pop("OTEL_EXPORTER_OTLP_ENDPOINT", None)
+        return env
+
+    def start_service(self, spec: ServiceSpec) -> None:
+        log = open(self.var_dir / f"{spec.name}.log", "ab")
+        self.procs[spec.name] = subprocess.Popen([sys.executable, "-m", spec.module], env=self.env(spec),
+                                                 stdout=log, stderr=subprocess.STDOUT)
+
+    def start(self, timeout_s: float = 180.0) -> Stack:
+        self.var_dir.mkdir(parents=True, exist_ok=True)
+        for spec in self.plan:
+            self.start_service(spec)
+        self.wait_ready(timeout_s)
+        return self
+
+    def wait_ready(self, timeout_s: float) -> None:
+        """Until a one-token completion succeeds: every service is up and the workers are registered."""
+        deadline = time.monotonic() + timeout_s
+        body = {"model": self.served_model, "prompt": "hi", "max_tokens": 1}
+        last = ""
+        while time.monotonic() < deadline:
+            for name, p in self.procs.items():
+                if p.poll() is not None:
+                    raise RuntimeError(f"{name} exited with {p.returncode}:\n{self.log_tail(name)}")
+            try:
+                r = httpx.post(f"{self.url}/v1/completions", json=body, timeout=30)
+                if r.status_code == 200:
+                    return
+                last = r.text
+            except httpx.HTTPError as e:
+                last = repr(e)
+            time.sleep(0.5)
+        raise TimeoutError(f"stack not ready in {timeout_s} s: {last}")
+
+    @property
+    def served_model(self) -> str:
+        return "SmolLM2-135M-Instruct"
+
+    def log_tail(self, name: str, lines: int = 40) -> str:
+        path = self.var_dir / f"{name}.log"
+        return "\n".join(path.read_text(errors="replace").splitlines()[-lines:]) if path.exists() else ""
+
+    def kill(self, name: str, sig: int = signal.SIGKILL) -> None:
+        self.procs[name].send_signal(sig)
+        self.procs[name].wait(10)
+
+    def stop(self) -> None:
+        for p in self.procs.values():
+            if p.poll() is None:
+                p.send_signal(signal.SIGTERM)
+        for p in self.procs.values():
+            try:
+                p.wait(15)
+            except subprocess.TimeoutExpired:
+                p.kill()
