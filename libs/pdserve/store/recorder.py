@@ -112,7 +112,8 @@ class Recorder:
                     await _sleep_unless(stop, BACKOFF_S[0])
                     continue
                 idle_since = time.monotonic()
-                await self._commit_until_done(msgs, stop)
+                if msgs:  # an interrupted fetch (disconnect, shutdown) returns nothing
+                    await self._commit_until_done(msgs, stop)
         finally:
             await sub.unsubscribe()
 
