@@ -17,6 +17,8 @@ Subjects (prefix `pds` by default, configurable so tests can share a server):
 | pds.worker.<id>.start            | StartDecode      | DecodeAdmitted    | coordinator → decode    |
 | pds.worker.<id>.release          | Release          | Ack               | coordinator → workers   |
 | pds.heartbeat.<id>    (publish)  | Heartbeat        | —                 | workers → router        |
+| pds.kv.<id>           (publish)  | KVEvents         | —                 | workers → router        |
+| pds.kvdigest.<id>     (publish)  | KVDigest         | —                 | workers → router        |
 | pds.tokens.<request_id> (publish)| TokenChunk       | —                 | decode/coord → gateway  |
 | pds.events.<request_id>.<type>   | events.Event     | JetStream ack     | everyone → recorder     |
 """
@@ -24,7 +26,7 @@ Subjects (prefix `pds` by default, configurable so tests can share a server):
 from __future__ import annotations
 
 from enum import StrEnum
-from typing import Literal
+from typing import Annotated, Literal
 
 from pydantic import BaseModel, ConfigDict, Field
 
@@ -65,6 +67,12 @@ class Subjects:
 
     def heartbeat(self, worker_id: str = "*") -> str:
         return f"{self.prefix}.heartbeat.{worker_id}"
+
+    def kv_events(self, worker_id: str = "*") -> str:
+        return f"{self.prefix}.kv.{worker_id}"
+
+    def kv_digest(self, worker_id: str = "*") -> str:
+        return f"{self.prefix}.kvdigest.{worker_id}"
 
     def tokens(self, request_id: str) -> str:
         return f"{self.prefix}.tokens.{request_id}"
@@ -150,6 +158,7 @@ class Submit(Message):
     model: str
     prompt_token_ids: tuple[int, ...] = Field(min_length=1)
     sampling: SamplingParams
+    cache_salt: str | None = Field(None, description="Requests with different salts never share cached KV.")
     received_ts: float = Field(description="Gateway's receive time, UNIX seconds.")
 
 
@@ -185,6 +194,8 @@ class TokenChunk(Message):
 class RouteRequest(Message):
     request_id: str
     num_prompt_tokens: int = Field(ge=1)
+    prompt_token_ids: tuple[int, ...] = ()
+    cache_salt: str | None = None
 
 
 class CandidateCost(Message):
@@ -297,4 +308,48 @@ class Heartbeat(Message):
     num_waiting: int
     kv_capacity_tokens: int
     kv_free_tokens: int
+    ts: float
+
+
+# ---------------------------------------------------------------- KV cache events (vLLM's KV events)
+
+
+class BlockStored(Message):
+    """Full blocks now held in the worker's prefix cache, in chain order (`block_hashes[0]`'s parent is
+    `parent_block_hash`; None = the sequence's first block). Hashes: `pdserve.engine.block_hash`."""
+
+    kind: Literal["BlockStored"] = "BlockStored"
+    block_hashes: tuple[int, ...]
+    parent_block_hash: int | None = None
+
+
+class BlockRemoved(Message):
+    kind: Literal["BlockRemoved"] = "BlockRemoved"
+    block_hashes: tuple[int, ...]
+
+
+class AllBlocksCleared(Message):
+    """Sent at every worker start: whatever an index held for this worker is gone."""
+
+    kind: Literal["AllBlocksCleared"] = "AllBlocksCleared"
+
+
+class KVEvents(Message):
+    """A batch of KV cache events of one worker. `seq` increases by one per batch, so a receiver
+    detects a lost batch (and then waits for the next `KVDigest` or clears the worker)."""
+
+    worker_id: str
+    seq: int = Field(ge=0)
+    events: tuple[Annotated[BlockStored | BlockRemoved | AllBlocksCleared, Field(discriminator="kind")], ...]
+    ts: float
+
+
+class KVDigest(Message):
+    """Periodic summary of a worker's prefix cache for drift detection: the block count and the XOR of
+    every held block hash (order-free, updated in O(1) per event)."""
+
+    worker_id: str
+    seq: int = Field(description="The last KVEvents seq this digest includes.")
+    num_blocks: int
+    xor_hashes: int
     ts: float
