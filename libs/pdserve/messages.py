@@ -263,11 +263,17 @@ class PrefillResult(Message):
 
 
 class StartDecode(Message):
+    """`prompt_token_ids` is what the KV covers. A migrated request (its decode worker died) is
+    re-prefilled with prompt + the tokens already committed; then `output_start_index` is how many
+    output tokens the client already has, so the first token streamed here has that index and
+    `sampling.max_tokens` still counts from the original start."""
+
     request_id: str
     transfer_id: str
     first_token_id: int
     prompt_token_ids: tuple[int, ...]
     sampling: SamplingParams
+    output_start_index: int = Field(0, ge=0)
 
 
 class DecodeAdmitted(Message):
