@@ -36,6 +36,7 @@ class RunningSequence:
     sampler: Sampler
     sampling: SamplingParams
     prompt_len: int
+    output_start_index: int = 0  # output tokens the client already has (a migrated request)
     output_ids: list[int] = field(default_factory=list)
     num_committed: int = 0
     first_token_ts: float = 0.0
@@ -102,7 +103,7 @@ class DecodeLoop:
     def _finish_reason(self, seq: RunningSequence, token: int) -> FinishReason | None:
         if not seq.sampling.ignore_eos and (token in self._stop_ids or token in seq.sampling.stop_token_ids):
             return FinishReason.STOP
-        if len(seq.output_ids) >= seq.sampling.max_tokens:
+        if seq.output_start_index + len(seq.output_ids) >= seq.sampling.max_tokens:
             return FinishReason.LENGTH
         if seq.prompt_len + len(seq.output_ids) >= seq.slot.num_tokens:
             return FinishReason.LENGTH
@@ -112,13 +113,15 @@ class DecodeLoop:
         """Append one sampled token, stream it, and finish the sequence if it ended."""
         index = len(seq.output_ids)
         seq.output_ids.append(token)
+        stream_index = seq.output_start_index + index
         reason = self._finish_reason(seq, token)
         if reason is FinishReason.STOP:
             seq.output_ids.pop()  # a stop token ends the text; it is not part of it (as in vLLM)
         emitted = tuple(seq.output_ids[index:])
         bus = self.worker.bus
         await bus.publish(bus.subjects.tokens(seq.request_id),
-                          TokenChunk(request_id=seq.request_id, index=index, token_ids=emitted, finish_reason=reason))
+                          TokenChunk(request_id=seq.request_id, index=stream_index, token_ids=emitted,
+                                     finish_reason=reason))
         if reason is not None or len(seq.output_ids) - seq.num_committed >= self.worker.settings.commit_every_tokens:
             await self._commit(seq)
         if reason is not None:
@@ -128,8 +131,8 @@ class DecodeLoop:
     async def _commit(self, seq: RunningSequence) -> None:
         new = seq.output_ids[seq.num_committed:]
         if new:
-            await self.worker.bus.emit(seq.request_id, TokensCommitted(start_index=seq.num_committed,
-                                                                       token_ids=new), self.worker.worker_id)
+            await self.worker.bus.emit(seq.request_id, TokensCommitted(
+                start_index=seq.output_start_index + seq.num_committed, token_ids=new), self.worker.worker_id)
             seq.num_committed = len(seq.output_ids)
 
     def _finish(self, seq: RunningSequence, reason: FinishReason) -> None:
@@ -140,7 +143,7 @@ class DecodeLoop:
             seq.span.set_attribute("gen_ai.usage.output_tokens", len(seq.output_ids))
             seq.span.end()
         msg = DecodeFinished(request_id=seq.request_id, worker_id=self.worker.worker_id, finish_reason=reason,
-                             num_output_tokens=len(seq.output_ids), first_token_ts=seq.first_token_ts or time.time(),
+                             num_output_tokens=seq.output_start_index + len(seq.output_ids), first_token_ts=seq.first_token_ts or time.time(),
                              last_token_ts=time.time())
         self.worker.bus.spawn(self._tell_coordinator(msg))
 

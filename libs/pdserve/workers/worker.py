@@ -198,7 +198,8 @@ class Worker:
         with tracer.start_as_current_span("decode.admit") as span:
             span.set_attribute("pdserve.request_id", req.request_id)
             seq = RunningSequence(request_id=req.request_id, slot=slot, sampler=Sampler(req.sampling),
-                                  sampling=req.sampling, prompt_len=len(req.prompt_token_ids))
+                                  sampling=req.sampling, prompt_len=len(req.prompt_token_ids),
+                                  output_start_index=req.output_start_index)
             await self.bus.emit(req.request_id, DecodeStarted(
                 decode_worker_id=self.worker_id, num_running=self.decode.num_running + 1), self.worker_id)
             first_token_ts = await self.decode.admit(seq, req.first_token_id)
