@@ -1,0 +1,194 @@
+"""The engine loop: schedule, run one forward over the batch, sample, append, finish — and the entry points
+a worker uses in each role (queue a request, reserve blocks for KV arriving from elsewhere, admit it)."""
+
+from __future__ import annotations
+
+from collections.abc import Iterable
+from dataclasses import dataclass
+from typing import NamedTuple
+
+import torch
+
+from pdserve.engine.block_manager import BlockManager, NoFreeBlocks
+from pdserve.engine.model import LlamaModel
+from pdserve.engine.model_runner import ModelRunner
+from pdserve.engine.scheduler import CannotFit, ScheduledSeq, Scheduler, SchedulerConfig
+from pdserve.engine.sequence import Sequence, SequenceStatus
+from pdserve.kernels.kv_pack import pack_kv, token_slots
+from pdserve.messages import FinishReason
+
+__all__ = ["CannotFit", "EngineConfig", "EngineStats", "LLMEngine", "NoFreeBlocks", "StepOutput"]
+
+
+@dataclass(frozen=True)
+class EngineConfig:
+    """`num_blocks` × `block_size` tokens of KV; `hash_seed` is the cluster-wide prefix-cache hash seed."""
+
+    num_blocks: int
+    block_size: int = 16
+    max_num_batched_tokens: int = 512
+    max_num_seqs: int = 64
+    max_model_len: int = 8192
+    hash_seed: int = 0
+
+
+class StepOutput(NamedTuple):
+    """What one step did to one sequence that reached a sampled token.
+
+    `new_token_ids`: the token appended to the output ((), when it was a stop token, or for a prefill-only
+    sequence); `sampled_token_id`: the token drawn; `finish_reason` set when the sequence ended (its blocks
+    are freed); `prefill_done`: a `stop_after_prefill` sequence finished its prompt (it is parked or freed).
+    """
+
+    seq: Sequence
+    sampled_token_id: int
+    new_token_ids: tuple[int, ...]
+    finish_reason: FinishReason | None
+    prefill_done: bool = False
+
+
+@dataclass
+class EngineStats:
+    """Counters since start, in tokens (prompt = tokens prefilled; cached = prefix-cache hits)."""
+
+    num_steps: int = 0
+    num_prompt_tokens_computed: int = 0
+    num_decode_tokens: int = 0
+    num_preemptions: int = 0
+
+
+class LLMEngine:
+    """Continuous batching over one model and one paged KV cache. Not thread-safe: one caller at a time
+    (a worker serializes calls with its compute lock and runs `step` in a thread).
+
+    `stop_token_ids`: the model's EOS/stop tokens (a sequence with `ignore_eos` runs past them).
+    """
+
+    def __init__(self, model: LlamaModel, config: EngineConfig, stop_token_ids: Iterable[int] = ()) -> None:
+        self.config = config
+        self.model = model
+        self.block_manager = BlockManager(config.num_blocks, config.block_size, config.hash_seed)
+        max_len = min(config.max_model_len, model.config.max_position_embeddings)
+        self.scheduler = Scheduler(self.block_manager, SchedulerConfig(
+            config.max_num_batched_tokens, config.max_num_seqs, max_len))
+        self.runner = ModelRunner(model, config.num_blocks, config.block_size)
+        self.stop_token_ids = set(stop_token_ids)
+        self.stats = EngineStats()
+
+    # ------------------------------------------------------------ entry points
+
+    def add_request(self, seq: Sequence) -> None:
+        """Queue `seq` to be prefilled (then decoded, unless `stop_after_prefill`). Raises CannotFit."""
+        self.scheduler.add(seq)
+
+    def reserve(self, seq: Sequence, max_tokens: int, use_prefix_cache: bool = True) -> None:
+        """Hold blocks for `seq`'s prompt, its cached prefix shared (`seq.num_cached_tokens` leading tokens
+        need not arrive); status RESERVED. `max_tokens`: the output it may generate (for the fit check).
+        Raises CannotFit (never), NoFreeBlocks (not now)."""
+        self.scheduler.check_fits(len(seq) + max_tokens)
+        self.block_manager.allocate(seq, use_prefix_cache=use_prefix_cache)
+        seq.status = SequenceStatus.RESERVED
+
+    def mark_computed(self, seq: Sequence, num_tokens: int) -> None:
+        """The KV of `seq`'s first `num_tokens` tokens is now in its blocks (received and verified):
+        register its full blocks in the prefix cache."""
+        seq.num_computed_tokens = num_tokens
+        self.block_manager.cache_full_blocks(seq)
+
+    def prefill_held(self, seq: Sequence) -> None:
+        """Prefill a RESERVED sequence in its own blocks (a local prefill), then park it."""
+        seq.stop_after_prefill, seq.free_after_prefill = True, False
+        self.scheduler.add_running(seq)
+
+    def admit(self, seq: Sequence, first_token_id: int) -> FinishReason | None:
+        """Append the prompt's sampled first token to a sequence whose prompt KV is complete (reserved and
+        received, or parked) and start decoding it; returns the finish reason if that token ends it."""
+        reason = self._append(seq, first_token_id)
+        if reason is None:
+            self.scheduler.add_running(seq)
+        return reason
+
+    def free(self, seq: Sequence) -> None:
+        """Drop `seq` wherever it is and free its blocks (finish or abort); idempotent."""
+        self.scheduler.remove(seq)
+        if seq.block_table:
+            self.block_manager.free(seq)
+        seq.status = SequenceStatus.FINISHED
+
+    @property
+    def has_work(self) -> bool:
+        return self.scheduler.has_work
+
+    # ------------------------------------------------------------ the loop
+
+    def step(self) -> list[StepOutput]:
+        """Schedule, run one forward, sample every sequence whose new tokens reach its end. Empty when
+        nothing could be scheduled."""
+        out = self.scheduler.schedule()
+        self.stats.num_preemptions += len(out.preempted)
+        batch = out.scheduled
+        if not batch:
+            return []
+        sends = self._planned_sends(batch)
+        hook = None
+        if sends:
+            def hook(layer: int, kv_layer: torch.Tensor) -> None:
+                for seq, start, slots in sends:
+                    assert seq.kv_sink is not None
+                    seq.kv_sink(layer, start, pack_kv(kv_layer, slots))
+        logits = self.runner.execute(batch, hook)
+        for seq, start, slots in sends:
+            seq.num_sent_tokens = start + len(slots)
+            seq.num_chunks_sent += 1
+        self.stats.num_steps += 1
+        results: list[StepOutput] = []
+        for (seq, n), row in zip(batch, logits, strict=True):
+            start = seq.num_computed_tokens
+            in_prompt = max(0, min(start + n, seq.num_prompt_tokens) - start)
+            self.stats.num_prompt_tokens_computed += in_prompt
+            self.stats.num_decode_tokens += n - in_prompt
+            seq.num_computed_tokens += n
+            self.block_manager.cache_full_blocks(seq)
+            if seq.num_computed_tokens < len(seq):
+                continue  # a prefill chunk short of the prompt's end: nothing to sample
+            token = seq.sampler.sample(row)
+            if seq.stop_after_prefill:
+                self.scheduler.remove(seq)
+                if seq.free_after_prefill:
+                    self.free(seq)
+                else:
+                    seq.status = SequenceStatus.PARKED
+                results.append(StepOutput(seq, token, (), None, prefill_done=True))
+                continue
+            reason = self._append(seq, token)
+            appended = () if reason is FinishReason.STOP else (token,)
+            results.append(StepOutput(seq, token, appended, reason))
+        return results
+
+    def _planned_sends(self, batch: list[ScheduledSeq]) -> list[tuple[Sequence, int, torch.Tensor]]:
+        """For sequences streaming KV: the positions each sends this step (`num_sent_tokens` up to the end
+        of its new tokens, within the prompt) as slots in its blocks."""
+        sends = []
+        for seq, n in batch:
+            if seq.kv_sink is None:
+                continue
+            start, end = seq.num_sent_tokens, min(seq.num_computed_tokens + n, seq.num_prompt_tokens)
+            if end > start:
+                sends.append((seq, start, token_slots(seq.block_table, start, end, self.config.block_size)))
+        return sends
+
+    def _append(self, seq: Sequence, token: int) -> FinishReason | None:
+        """Append a sampled token and finish (free) the sequence if it ended; a stop token is not kept."""
+        seq.token_ids.append(token)
+        p = seq.sampling
+        reason: FinishReason | None = None
+        if not p.ignore_eos and (token in self.stop_token_ids or token in p.stop_token_ids):
+            reason = FinishReason.STOP
+            seq.token_ids.pop()  # a stop token ends the text; it is not part of it (as in vLLM)
+        elif seq.output_start_index + seq.num_output_tokens >= p.max_tokens:
+            reason = FinishReason.LENGTH
+        elif len(seq) >= self.scheduler.config.max_model_len:
+            reason = FinishReason.LENGTH
+        if reason is not None:
+            self.free(seq)
+        return reason

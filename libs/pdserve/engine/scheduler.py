@@ -1,0 +1,147 @@
+"""Continuous batching: which sequences run in the next forward, and how many tokens each.
+
+vLLM's v1 scheduler policy, in nano-vllm's size: a step has a token budget (`max_num_batched_tokens`);
+running sequences go first, decodes (one token each) before prefill chunks, then waiting sequences are
+admitted first come first served while budget, sequence slots and blocks last. A prefill longer than the
+remaining budget is cut into chunks (chunked prefill). When a running sequence needs a block and none is
+free, the newest running sequence is preempted by recompute: its blocks are freed and it goes back to the
+front of the queue, to be prefilled again (prompt + output so far) when blocks free up.
+"""
+
+from __future__ import annotations
+
+from collections import deque
+from dataclasses import dataclass
+from typing import NamedTuple
+
+from pdserve.engine.block_manager import BlockManager
+from pdserve.engine.sequence import Sequence, SequenceStatus
+
+
+class CannotFit(ValueError):
+    """A request that could never run on this engine, whatever else is running (the reason says why)."""
+
+
+@dataclass(frozen=True)
+class SchedulerConfig:
+    """`max_num_batched_tokens`: tokens per forward (prefill chunks + decodes); `max_num_seqs`: sequences
+    in the running batch; `max_model_len`: prompt + output tokens of one sequence."""
+
+    max_num_batched_tokens: int = 512
+    max_num_seqs: int = 64
+    max_model_len: int = 8192
+
+
+class ScheduledSeq(NamedTuple):
+    """`seq` computes tokens `seq.num_computed_tokens .. + num_new_tokens - 1` in this step."""
+
+    seq: Sequence
+    num_new_tokens: int
+
+
+class SchedulerOutput(NamedTuple):
+    scheduled: list[ScheduledSeq]
+    preempted: list[Sequence]
+
+
+class Scheduler:
+    """Owns the waiting queue and the running batch; draws blocks from `block_manager`."""
+
+    def __init__(self, block_manager: BlockManager, config: SchedulerConfig) -> None:
+        if config.max_num_batched_tokens < 1 or config.max_num_seqs < 1:
+            raise ValueError(f"budgets must be positive: {config}")
+        self.block_manager = block_manager
+        self.config = config
+        self.waiting: deque[Sequence] = deque()
+        self.running: list[Sequence] = []
+
+    def check_fits(self, num_tokens: int) -> None:
+        """Raises CannotFit when a sequence of `num_tokens` tokens (prompt + max output) can never be held."""
+        bm = self.block_manager
+        if num_tokens > self.config.max_model_len:
+            raise CannotFit(f"{num_tokens} tokens (prompt + max_tokens) exceed max_model_len "
+                            f"{self.config.max_model_len}")
+        if bm.blocks_for(num_tokens) > bm.num_blocks:
+            raise CannotFit(f"{num_tokens} tokens (prompt + max_tokens) need {bm.blocks_for(num_tokens)} blocks "
+                            f"of {bm.block_size}; the KV cache has {bm.num_blocks}")
+
+    def max_tokens_of(self, seq: Sequence) -> int:
+        """Most tokens `seq` can reach: its tokens now plus the output it may still generate."""
+        remaining = seq.sampling.max_tokens - seq.output_start_index - seq.num_output_tokens
+        return len(seq) + max(remaining, 0)
+
+    def add(self, seq: Sequence) -> None:
+        """Queue a sequence holding no blocks. Raises CannotFit."""
+        self.check_fits(self.max_tokens_of(seq))
+        seq.status = SequenceStatus.WAITING
+        self.waiting.append(seq)
+
+    def add_running(self, seq: Sequence) -> None:
+        """Put a sequence that already holds its blocks (reserved or parked) into the running batch."""
+        seq.status = SequenceStatus.RUNNING
+        self.running.append(seq)
+
+    def remove(self, seq: Sequence) -> None:
+        """Take `seq` out of the queue or batch (it keeps its blocks)."""
+        if seq in self.running:
+            self.running.remove(seq)
+        elif seq in self.waiting:
+            self.waiting.remove(seq)
+
+    @property
+    def has_work(self) -> bool:
+        return bool(self.waiting or self.running)
+
+    def schedule(self) -> SchedulerOutput:
+        """The next step's batch. Every scheduled sequence holds blocks for the tokens it computes."""
+        budget = self.config.max_num_batched_tokens
+        scheduled: list[ScheduledSeq] = []
+        preempted: list[Sequence] = []
+        bm = self.block_manager
+        # decodes first (arrival order), then running prefill chunks
+        for seq in sorted(self.running, key=lambda s: (s.is_prefill, s.arrival)):
+            if budget == 0:
+                break
+            if seq.status is not SequenceStatus.RUNNING:
+                continue  # preempted while making room for an earlier one
+            n = min(seq.num_uncomputed_tokens, budget)
+            end = seq.num_computed_tokens + n
+            while not bm.can_append_slots(seq, end):
+                victim = max(self.running, key=lambda s: s.arrival)
+                self._preempt(victim)
+                preempted.append(victim)
+                for i, (s, k) in enumerate(scheduled):
+                    if s is victim:
+                        del scheduled[i]
+                        budget += k
+                        break
+                if victim is seq:
+                    break
+            if seq.status is not SequenceStatus.RUNNING:
+                continue
+            bm.append_slots(seq, end)
+            scheduled.append(ScheduledSeq(seq, n))
+            budget -= n
+        if preempted:
+            return SchedulerOutput(scheduled, preempted)
+        while self.waiting and budget > 0 and len(self.running) < self.config.max_num_seqs:
+            seq = self.waiting[0]
+            if not bm.can_allocate(seq):
+                break
+            bm.allocate(seq)
+            self.waiting.popleft()
+            seq.status = SequenceStatus.RUNNING
+            self.running.append(seq)
+            n = min(seq.num_uncomputed_tokens, budget)
+            scheduled.append(ScheduledSeq(seq, n))
+            budget -= n
+        return SchedulerOutput(scheduled, preempted)
+
+    def _preempt(self, seq: Sequence) -> None:
+        self.running.remove(seq)
+        self.block_manager.free(seq)
+        seq.num_computed_tokens = 0
+        seq.num_cached_tokens = 0
+        seq.num_preemptions += 1
+        seq.status = SequenceStatus.WAITING
+        self.waiting.appendleft(seq)
