@@ -45,7 +45,8 @@ class _SamplingFields(BaseModel):
     frequency_penalty: float = Field(0.0, ge=-2.0, le=2.0)
     logit_bias: dict[str, float] | None = None
     user: str | None = None
-    cache_salt: str | None = Field(None, description="Accepted; prefix-cache isolation is not implemented.")
+    cache_salt: str | None = Field(
+        None, description="Prefix-cache isolation: requests with different salts never share cached KV blocks.")
 
     @field_validator("stream", "temperature", "top_p", "top_k", "n", "presence_penalty", "frequency_penalty",
                      mode="before")

@@ -35,7 +35,7 @@ def run_worker(default_role: str) -> None:
             await transport.start()
         worker = Worker(bus, settings, loaded, transport)
         await worker.serve()
-        tasks = [bus.spawn(worker.run_heartbeats()), bus.spawn(worker.decode.run())]
+        tasks = [bus.spawn(worker.run_heartbeats()), bus.spawn(worker.loop.run())]
         log.info("%s serving %s as %s", settings.worker_id, loaded.name, settings.role)
 
         async def cleanup() -> None:

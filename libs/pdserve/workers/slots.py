@@ -1,63 +1,54 @@
-"""KV a worker holds per request, and the capacity they draw from (in tokens)."""
+"""What a decode or unified worker holds per request between `reserve` and `release`."""
 
 from __future__ import annotations
 
 import time
 from dataclasses import dataclass, field
 
-from pdserve.engine.kv_cache import SequenceKVCache
+import torch
+
+from pdserve.engine.sequence import Sequence
 from pdserve.transfer.base import Inbound
 
 
 @dataclass
 class Slot:
-    """KV cache reserved for one request on this worker.
+    """One reservation: the engine sequence holding its blocks, and the transfer expected into them.
 
-    `inbound` is the expected transfer (None when the KV is computed here); `lease_deadline` is
+    `staging[l]`: [num_prompt_tokens - seq.num_cached_tokens, 2, num_kv_heads, head_dim] fp32, where layer
+    l's transferred rows land (row 0 = the first token the decode does not already hold); scattered into
+    the blocks only after the whole transfer is verified. Empty for a local prefill. `lease_deadline`:
     `time.monotonic()` seconds after which an unstarted slot is freed.
     """
 
     request_id: str
     transfer_id: str
-    cache: SequenceKVCache
-    num_tokens: int
+    seq: Sequence
     lease_deadline: float
     inbound: Inbound | None = None
+    staging: list[torch.Tensor] = field(default_factory=list)
     started: bool = False
     reserved_ts: float = field(default_factory=time.time)
 
 
 class SlotTable:
-    """Slots by request id with a capacity in tokens: `reserve`/`release` are the paired verbs."""
+    """Slots by request id; `add` / `pop` pair up with the engine's reserve / free."""
 
-    def __init__(self, capacity_tokens: int) -> None:
-        self.capacity_tokens = capacity_tokens
+    def __init__(self) -> None:
         self._slots: dict[str, Slot] = {}
 
-    @property
-    def used_tokens(self) -> int:
-        return sum(s.num_tokens for s in self._slots.values())
-
-    @property
-    def free_tokens(self) -> int:
-        return self.capacity_tokens - self.used_tokens
-
-    def can_reserve(self, num_tokens: int) -> bool:
-        return num_tokens <= self.free_tokens
-
-    def reserve(self, slot: Slot) -> None:
-        """Raises ValueError if the request already holds a slot or capacity is short."""
+    def add(self, slot: Slot) -> None:
+        """Raises ValueError if the request already holds a slot."""
         if slot.request_id in self._slots:
             raise ValueError(f"request {slot.request_id} already holds a slot")
-        if not self.can_reserve(slot.num_tokens):
-            raise ValueError(f"{slot.num_tokens} tokens requested, {self.free_tokens} free")
         self._slots[slot.request_id] = slot
 
     def get(self, request_id: str) -> Slot | None:
         return self._slots.get(request_id)
 
-    def release(self, request_id: str) -> Slot | None:
-        """Free the request's slot (cancelling its inbound transfer); idempotent."""
+    def pop(self, request_id: str) -> Slot | None:
+        """Forget the request's slot, cancelling its inbound transfer; idempotent. The caller frees the
+        sequence's blocks."""
         slot = self._slots.pop(request_id, None)
         if slot is not None and slot.inbound is not None:
             slot.inbound.cancel()

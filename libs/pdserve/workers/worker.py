@@ -1,14 +1,18 @@
 """One engine worker in a role: prefill, decode, or unified (both, colocated).
 
 Commands it serves (see `pdserve.messages`):
-- reserve (decode/unified): set KV aside for prompt + max_tokens and expect the transfer into it.
-- prefill (prefill, or decode/unified for a local prefill): run the prompt, stream each layer's KV to
-  the reserved endpoint as soon as that layer is computed, return the first token.
-- start (decode/unified): wait for the transfer to be verified, admit the sequence, stream tokens.
+- reserve (decode/unified): hold KV blocks for the prompt, sharing what this worker's prefix cache already
+  has (reported as `num_cached_tokens`), and expect the transfer of the rest.
+- prefill (prefill, or decode/unified for a local prefill): run the prompt through the engine (chunked,
+  batched with whatever else runs) and, from a prefill worker, stream each layer's KV rows that the decode
+  worker lacks as soon as that layer is computed; return the first token.
+- start (decode/unified): wait for the transfer to be verified, scatter it into the reserved blocks, admit
+  the sequence into the engine's continuous batch, stream tokens.
 - release (all): free everything the request holds here; idempotent.
 
-The model runs in a worker thread (one torch thread per worker), one forward at a time, so the event
-loop keeps serving NATS and moving KV while a forward runs.
+The engine runs in a worker thread (one torch thread per worker), one step at a time under `compute`;
+every engine call from a handler takes the same lock, so the event loop keeps serving NATS and moving KV
+while a step runs and the engine is never used from two threads at once.
 """
 
 from __future__ import annotations
@@ -23,17 +27,12 @@ from opentelemetry import propagate, trace
 
 from pdserve.bus import Bus, RejectedError
 from pdserve.config import WorkerSettings
-from pdserve.engine.kv_cache import SequenceKVCache
+from pdserve.engine.llm_engine import CannotFit, EngineConfig, LLMEngine, NoFreeBlocks
 from pdserve.engine.loader import LoadedModel
 from pdserve.engine.model import LlamaModel
-from pdserve.engine.sampler import Sampler
-from pdserve.events import (
-    ChecksumMismatch,
-    DecodeStarted,
-    PrefillCompleted,
-    PrefillStarted,
-    TransferCompleted,
-)
+from pdserve.engine.sequence import Sequence, SequenceStatus
+from pdserve.events import ChecksumMismatch, DecodeStarted, PrefillCompleted, PrefillStarted, TransferCompleted
+from pdserve.kernels.kv_pack import token_slots, unpack_kv
 from pdserve.messages import (
     Ack,
     CompatibilityDescriptor,
@@ -50,14 +49,14 @@ from pdserve.messages import (
     StartDecode,
 )
 from pdserve.transfer.base import ChecksumMismatchError, KVTransport, TransferTimeout
-from pdserve.workers.decode_loop import DecodeLoop, RunningSequence
+from pdserve.workers.engine_loop import EngineLoop
+from pdserve.workers.kv_events import KVEventPublisher
 from pdserve.workers.slots import Slot, SlotTable
 
 log = logging.getLogger(__name__)
 tracer = trace.get_tracer("pdserve.worker")
 
-BLOCK_SIZE = 16  # the paged engine's block size; part of the compatibility descriptor already
-LAYOUT_VERSION = 1  # [tokens, 2, kv_heads, head_dim] fp32 per layer
+LAYOUT_VERSION = 2  # per layer [num_blocks, block_size, 2, kv_heads, head_dim] fp32; transfers carry token rows
 
 
 class Worker:
@@ -69,16 +68,21 @@ class Worker:
         self.role = Role(settings.role)
         self.loaded = loaded
         self.model = LlamaModel(loaded.config, loaded.weights)
+        self.engine = LLMEngine(self.model, EngineConfig(
+            num_blocks=max(settings.kv_capacity_tokens // settings.block_size, 1), block_size=settings.block_size,
+            max_num_batched_tokens=settings.max_num_batched_tokens, max_num_seqs=settings.max_num_seqs,
+            hash_seed=settings.kv_hash_seed), loaded.tokenizer.stop_token_ids)
         self.transport = transport
-        self.slots = SlotTable(settings.kv_capacity_tokens)
-        self.prefilled: dict[str, SequenceKVCache] = {}  # prefill role: KV kept until release
-        self.compute = asyncio.Lock()  # one forward at a time on this worker's core
-        self.decode = DecodeLoop(self)
+        self.slots = SlotTable()
+        self.prefilling: dict[str, Sequence] = {}  # prefill role: sequences computing for a decode worker
+        self.compute = asyncio.Lock()  # one engine call at a time on this worker's core
+        self.loop = EngineLoop(self)
+        self.kv_events = KVEventPublisher(bus, self.worker_id, self.engine.block_manager)
         cfg = loaded.config
         self.descriptor = CompatibilityDescriptor(
-            model=loaded.name, weights_hash=loaded.weights_hash, dtype="float32", block_size=BLOCK_SIZE,
+            model=loaded.name, weights_hash=loaded.weights_hash, dtype="float32", block_size=settings.block_size,
             num_layers=cfg.num_layers, num_kv_heads=cfg.num_kv_heads, head_dim=cfg.head_dim,
-            hash_seed=0, layout_version=LAYOUT_VERSION,
+            hash_seed=settings.kv_hash_seed, layout_version=LAYOUT_VERSION,
         )
 
     # ------------------------------------------------------------ reserve / release
@@ -86,34 +90,52 @@ class Worker:
     async def reserve(self, req: ReserveRequest) -> Reservation:
         if self.role is Role.PREFILL:
             raise RejectedError(RejectCode.INVALID, f"{self.worker_id} is a prefill worker")
-        num_tokens = req.num_prompt_tokens + req.max_tokens
-        if num_tokens > self.slots.capacity_tokens:
-            raise RejectedError(RejectCode.INVALID, f"{num_tokens} tokens can never fit in "
-                                f"{self.slots.capacity_tokens}")
+        known = bool(req.prompt_token_ids)  # a caller that does not send them gets no prefix-cache hit
+        if known and len(req.prompt_token_ids) != req.num_prompt_tokens:
+            raise RejectedError(RejectCode.INVALID, f"{len(req.prompt_token_ids)} prompt token ids for "
+                                f"num_prompt_tokens {req.num_prompt_tokens}")
         if self.slots.get(req.request_id) is not None:
             raise RejectedError(RejectCode.DUPLICATE, f"request {req.request_id} already reserved")
-        if not self.slots.can_reserve(num_tokens):
-            raise RejectedError(RejectCode.CAPACITY, f"{num_tokens} tokens wanted, {self.slots.free_tokens} free")
-        cache = SequenceKVCache(self.loaded.config, num_tokens)
-        slot = Slot(req.request_id, req.transfer_id, cache, num_tokens,
-                    lease_deadline=time.monotonic() + req.lease_s)
-        if self.transport is not None:
+        prompt = req.prompt_token_ids or (0,) * req.num_prompt_tokens  # placeholder until `start` tells
+        seq = Sequence(req.request_id, prompt, cache_salt=req.cache_salt)
+        async with self.compute:
             try:
-                slot.inbound = self.transport.expect(req.transfer_id, cache.layers)
+                self.engine.reserve(seq, req.max_tokens, use_prefix_cache=known)
+            except CannotFit as e:
+                raise RejectedError(RejectCode.INVALID, f"can never fit: {e}") from e
+            except NoFreeBlocks as e:
+                raise RejectedError(RejectCode.CAPACITY, str(e)) from e
+        slot = Slot(req.request_id, req.transfer_id, seq, lease_deadline=time.monotonic() + req.lease_s)
+        if self.transport is not None:
+            cfg = self.loaded.config
+            rows = len(seq) - seq.num_cached_tokens
+            slot.staging = [torch.empty(rows, 2, cfg.num_kv_heads, cfg.head_dim) for _ in range(cfg.num_layers)]
+            try:
+                slot.inbound = self.transport.expect(req.transfer_id, slot.staging)
             except ValueError as e:
+                await self._free(seq)
                 raise RejectedError(RejectCode.DUPLICATE, str(e)) from e
-        self.slots.reserve(slot)
+        self.slots.add(slot)
         endpoint = self.transport.endpoint() if self.transport else KVEndpoint(transport="tcp", address="local")
         return Reservation(request_id=req.request_id, transfer_id=req.transfer_id, worker_id=self.worker_id,
-                           endpoint=endpoint, num_tokens=num_tokens)
+                           endpoint=endpoint, num_tokens=req.num_prompt_tokens + req.max_tokens,
+                           num_cached_tokens=seq.num_cached_tokens)
 
     async def release(self, req: Release) -> Ack:
         if req.finish_reason is not None:
-            await self.decode.finish_now(req.request_id, req.finish_reason)
-        self.decode.stop(req.request_id)
-        self.slots.release(req.request_id)
-        self.prefilled.pop(req.request_id, None)
+            await self.loop.finish_now(req.request_id, req.finish_reason)
+        self.loop.stop(req.request_id)
+        self.loop.fail_prefill(req.request_id, req.reason)
+        slot = self.slots.pop(req.request_id)
+        seq = slot.seq if slot is not None else self.prefilling.pop(req.request_id, None)
+        if seq is not None:
+            await self._free(seq)
         return Ack()
+
+    async def _free(self, seq: Sequence) -> None:
+        async with self.compute:
+            self.engine.free(seq)
+        await self.kv_events.flush()
 
     # ------------------------------------------------------------ prefill
 
@@ -121,50 +143,70 @@ class Worker:
         local = req.decode_worker_id == self.worker_id
         if not local and (self.transport is None or self.role is not Role.PREFILL):
             raise RejectedError(RejectCode.INVALID, f"{self.worker_id} cannot prefill for {req.decode_worker_id}")
+        sends: list[Future[int]] = []
         if local:
             slot = self.slots.get(req.request_id)
-            if slot is None:
-                raise RejectedError(RejectCode.NOT_FOUND, f"no reservation for {req.request_id}")
-            cache = slot.cache
+            if slot is None or slot.seq.status is not SequenceStatus.RESERVED:
+                raise RejectedError(RejectCode.NOT_FOUND, f"no reservation awaiting prefill for {req.request_id}")
+            seq = slot.seq
+            seq.token_ids = list(req.prompt_token_ids)  # the reserved ids may have been a placeholder
+            seq.set_sampling(req.sampling)
+            first = self.loop.expect_prefill(req.request_id)
+            async with self.compute:
+                self.engine.prefill_held(seq)
         else:
-            cache = SequenceKVCache(self.loaded.config, len(req.prompt_token_ids))
-            self.prefilled[req.request_id] = cache
+            seq = Sequence(req.request_id, req.prompt_token_ids, req.sampling, cache_salt=req.cache_salt)
+            seq.stop_after_prefill = seq.free_after_prefill = True
+            seq.num_sent_tokens = req.decode_num_cached_tokens
+            seq.kv_sink = self._layer_sender(req, sends)
+            first = self.loop.expect_prefill(req.request_id)
+            async with self.compute:
+                try:
+                    self.engine.add_request(seq)
+                except CannotFit as e:
+                    self.loop.fail_prefill(req.request_id, str(e))
+                    raise RejectedError(RejectCode.INVALID, f"can never fit: {e}") from e
+            self.prefilling[req.request_id] = seq
+        self.loop.wake()
+        num_prompt = len(req.prompt_token_ids)
         await self.bus.emit(req.request_id, PrefillStarted(
-            prefill_worker_id=self.worker_id, transfer_id=req.transfer_id,
-            num_prompt_tokens=len(req.prompt_token_ids)), self.worker_id)
+            prefill_worker_id=self.worker_id, transfer_id=req.transfer_id, num_prompt_tokens=num_prompt),
+            self.worker_id)
         t0 = time.perf_counter()
         with tracer.start_as_current_span("prefill.forward") as span:
             span.set_attribute("pdserve.request_id", req.request_id)
-            span.set_attribute("pdserve.num_prompt_tokens", len(req.prompt_token_ids))
+            span.set_attribute("pdserve.num_prompt_tokens", num_prompt)
             span.set_attribute("pdserve.local", local)
-            sends: list[Future[int]] = []
-            hook = None if local else self._layer_sender(req, cache, sends)
-            input_ids = torch.tensor(req.prompt_token_ids, dtype=torch.int64)
-            async with self.compute:
-                logits = await asyncio.to_thread(self.model.forward, input_ids, cache, hook)
-            first_token = Sampler(req.sampling).sample(logits)
+            first_token = await first
+            span.set_attribute("pdserve.num_cached_tokens", seq.num_cached_tokens)
             kv_bytes = sum(await asyncio.gather(*map(asyncio.wrap_future, sends)))
             if not local:
-                await self.transport.finish(req.endpoint, req.transfer_id, self.loaded.config.num_layers, 1)
+                self.prefilling.pop(req.request_id, None)
+                await self.transport.finish(req.endpoint, req.transfer_id, self.loaded.config.num_layers,
+                                            seq.num_chunks_sent)
         prefill_s = time.perf_counter() - t0
+        cached = seq.num_cached_tokens
         await self.bus.emit(req.request_id, PrefillCompleted(
             prefill_worker_id=self.worker_id, transfer_id=req.transfer_id, first_token_id=first_token,
-            num_cached_tokens=0, num_computed_tokens=len(req.prompt_token_ids), kv_bytes=kv_bytes,
+            num_cached_tokens=cached, num_computed_tokens=num_prompt - cached, kv_bytes=kv_bytes,
             prefill_s=prefill_s), self.worker_id)
         return PrefillResult(request_id=req.request_id, transfer_id=req.transfer_id, first_token_id=first_token,
-                             num_cached_tokens=0, num_computed_tokens=len(req.prompt_token_ids),
+                             num_cached_tokens=cached, num_computed_tokens=num_prompt - cached,
                              kv_bytes=kv_bytes, prefill_s=prefill_s)
 
-    def _layer_sender(self, req: PrefillRequest, cache: SequenceKVCache, sends: list[Future[int]]):
-        """A layer hook (called in the forward's thread) that streams layer l's KV while l+1 computes."""
+    def _layer_sender(self, req: PrefillRequest, sends: list[Future[int]]):
+        """A KV sink (called in the engine's thread) that streams layer l's new rows while l+1 computes.
+        Row p of the prompt lands at row p - decode_num_cached_tokens of the decode worker's staging."""
         loop = asyncio.get_running_loop()
         carrier: dict[str, str] = {}
         propagate.inject(carrier)
-        n = len(req.prompt_token_ids)
+        skip = req.decode_num_cached_tokens
+        chunk_of: dict[int, int] = {}  # first position of a step's rows → chunk number, same for every layer
 
-        def on_layer(layer: int) -> None:
-            coro = self.transport.send_layer(req.endpoint, req.transfer_id, layer, 0, 0,
-                                             cache.layers[layer][:n], carrier.get("traceparent"))
+        def on_layer(layer: int, start: int, rows: torch.Tensor) -> None:
+            chunk = chunk_of.setdefault(start, len(chunk_of))
+            coro = self.transport.send_layer(req.endpoint, req.transfer_id, layer, chunk, start - skip, rows,
+                                             carrier.get("traceparent"))
             sends.append(asyncio.run_coroutine_threadsafe(coro, loop))
 
         return on_layer
@@ -175,6 +217,12 @@ class Worker:
         slot = self.slots.get(req.request_id)
         if slot is None or slot.transfer_id != req.transfer_id:
             raise RejectedError(RejectCode.NOT_FOUND, f"no reservation for transfer {req.transfer_id}")
+        seq = slot.seq
+        if len(req.prompt_token_ids) != seq.num_prompt_tokens:
+            raise RejectedError(RejectCode.INVALID, f"start's prompt has {len(req.prompt_token_ids)} tokens, "
+                                f"the reservation {seq.num_prompt_tokens}")
+        if seq.status is SequenceStatus.RESERVED:
+            seq.token_ids = list(req.prompt_token_ids)  # the reserved ids may have been a placeholder
         slot.started = True
         kv_bytes, transfer_s = 0, 0.0
         if slot.inbound is not None:
@@ -184,48 +232,69 @@ class Worker:
                 await self.bus.emit(req.request_id, ChecksumMismatch(
                     transfer_id=req.transfer_id, layer=e.layer, expected=e.expected, actual=e.actual),
                     self.worker_id)
-                self.slots.release(req.request_id)
+                await self._drop(req.request_id)
                 raise RejectedError(RejectCode.TRANSFER_FAILED, f"checksum mismatch at layer {e.layer}") from e
             except TransferTimeout as e:
-                self.slots.release(req.request_id)
+                await self._drop(req.request_id)
                 raise RejectedError(RejectCode.TRANSFER_FAILED, f"transfer timed out: {e}") from e
             kv_bytes, transfer_s = stats.kv_bytes, stats.seconds
+            async with self.compute:  # verified: now, and only now, the KV enters the blocks
+                await asyncio.to_thread(self._scatter, slot)
+                self.engine.mark_computed(seq, len(seq))
+            await self.kv_events.flush()
             await self.bus.emit(req.request_id, TransferCompleted(
                 transfer_id=req.transfer_id, transport=self.transport.kind, kv_bytes=stats.kv_bytes,
                 num_layers=stats.num_layers, transfer_s=stats.seconds, checksum_ok=True), self.worker_id)
+        elif seq.status is not SequenceStatus.PARKED:
+            raise RejectedError(RejectCode.NOT_FOUND, f"{req.request_id} was not prefilled here")
         transfer_done_ts = time.time()
-        slot.cache.num_tokens = len(req.prompt_token_ids)
+        seq.output_start_index = req.output_start_index
+        if slot.inbound is not None:
+            seq.set_sampling(req.sampling)
         with tracer.start_as_current_span("decode.admit") as span:
             span.set_attribute("pdserve.request_id", req.request_id)
-            seq = RunningSequence(request_id=req.request_id, slot=slot, sampler=Sampler(req.sampling),
-                                  sampling=req.sampling, prompt_len=len(req.prompt_token_ids),
-                                  output_start_index=req.output_start_index)
             await self.bus.emit(req.request_id, DecodeStarted(
-                decode_worker_id=self.worker_id, num_running=self.decode.num_running + 1), self.worker_id)
-            first_token_ts = await self.decode.admit(seq, req.first_token_id)
+                decode_worker_id=self.worker_id, num_running=self.loop.num_running + 1), self.worker_id)
+            first_token_ts = await self.loop.admit(seq, req.first_token_id)
         return DecodeAdmitted(request_id=req.request_id, worker_id=self.worker_id, transfer_bytes=kv_bytes,
                               transfer_s=transfer_s, transfer_done_ts=transfer_done_ts,
                               first_token_ts=first_token_ts)
 
+    def _scatter(self, slot: Slot) -> None:
+        seq, bs = slot.seq, self.settings.block_size
+        slots = token_slots(seq.block_table, seq.num_cached_tokens, len(seq), bs)
+        for layer, rows in enumerate(slot.staging):
+            unpack_kv(self.engine.runner.kv_cache[layer], slots, rows)
+        slot.staging = []
+
+    async def _drop(self, request_id: str) -> None:
+        slot = self.slots.pop(request_id)
+        if slot is not None:
+            await self._free(slot.seq)
+
     # ------------------------------------------------------------ heartbeats and leases
 
     def heartbeat(self) -> Heartbeat:
+        bm = self.engine.block_manager
         return Heartbeat(worker_id=self.worker_id, role=self.role, descriptor=self.descriptor,
-                         num_running=self.decode.num_running, num_waiting=self.slots.num_waiting(),
-                         kv_capacity_tokens=self.slots.capacity_tokens, kv_free_tokens=self.slots.free_tokens,
-                         ts=time.time())
+                         num_running=self.loop.num_running,
+                         num_waiting=len(self.engine.scheduler.waiting) + self.slots.num_waiting(),
+                         kv_capacity_tokens=bm.num_blocks * bm.block_size,
+                         kv_free_tokens=bm.num_free_blocks * bm.block_size, ts=time.time())
 
     async def run_heartbeats(self) -> None:
-        """Publish a heartbeat every interval and free reservations whose lease expired."""
+        """Publish a heartbeat (and a KV digest) every interval; free reservations whose lease expired."""
         while True:
             for request_id in self.slots.expired(time.monotonic()):
                 log.warning("%s: lease of %s expired unstarted; freeing", self.worker_id, request_id)
-                self.slots.release(request_id)
+                await self._drop(request_id)
             await self.bus.publish(self.bus.subjects.heartbeat(self.worker_id), self.heartbeat())
+            await self.kv_events.digest()
             await asyncio.sleep(self.settings.heartbeat_interval_s)
 
     async def serve(self) -> None:
-        """Register this worker's command handlers (each on its own subject)."""
+        """Announce an empty prefix cache (AllBlocksCleared), then register the command handlers."""
+        await self.kv_events.cleared()
         s = self.bus.subjects
         await self.bus.serve(s.worker(self.worker_id, "release"), Release, self.release)
         await self.bus.serve(s.worker(self.worker_id, "prefill"), PrefillRequest, self.prefill)

@@ -1,0 +1,164 @@
+"""A worker's engine loop: runs `LLMEngine.step` in a thread while there is work, then publishes what the
+step produced — each decoding sequence's new token on `pds.tokens.<request_id>`, `TokensCommitted` every
+`commit_every_tokens` and at the end, `DecodeFinished` to the coordinator — and resolves the prompt's first
+token for whoever waits on a prefill. The running batch is the engine's continuous batch.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import time
+from dataclasses import dataclass
+from typing import TYPE_CHECKING
+
+from opentelemetry import trace
+
+from pdserve.bus import BusTimeout, RejectedError
+from pdserve.engine.llm_engine import StepOutput
+from pdserve.engine.sequence import Sequence
+from pdserve.events import TokensCommitted
+from pdserve.messages import Ack, DecodeFinished, FinishReason, RejectCode, TokenChunk
+
+if TYPE_CHECKING:
+    from pdserve.workers.worker import Worker
+
+log = logging.getLogger(__name__)
+tracer = trace.get_tracer("pdserve.worker")
+
+_IDLE_RETRY_S = 0.005  # work queued but nothing schedulable (blocks held by reservations): poll gently
+
+
+@dataclass
+class DecodeStream:
+    """The client-facing side of a decoding sequence: tokens streamed and committed so far."""
+
+    seq: Sequence
+    span: trace.Span
+    num_streamed: int = 0
+    num_committed: int = 0
+    first_token_ts: float = 0.0
+
+
+class EngineLoop:
+    def __init__(self, worker: Worker) -> None:
+        self.worker = worker
+        self.engine = worker.engine
+        self.streams: dict[str, DecodeStream] = {}
+        self.prefills: dict[str, asyncio.Future[int]] = {}
+        self._wakeup = asyncio.Event()
+
+    @property
+    def num_running(self) -> int:
+        return len(self.engine.scheduler.running)
+
+    def wake(self) -> None:
+        self._wakeup.set()
+
+    def expect_prefill(self, request_id: str) -> asyncio.Future[int]:
+        """A future resolved with the first token when `request_id`'s `stop_after_prefill` sequence
+        finishes its prompt, or failed with RejectedError when it is released first."""
+        fut: asyncio.Future[int] = asyncio.get_running_loop().create_future()
+        self.prefills[request_id] = fut
+        return fut
+
+    def fail_prefill(self, request_id: str, reason: str) -> None:
+        fut = self.prefills.pop(request_id, None)
+        if fut is not None and not fut.done():
+            fut.set_exception(RejectedError(RejectCode.NOT_FOUND, f"{request_id} released during prefill: {reason}"))
+
+    async def run(self) -> None:
+        """Forever: one engine step (in a thread, under the worker's compute lock), then its outputs."""
+        worker = self.worker
+        while True:
+            if not self.engine.has_work:
+                self._wakeup.clear()
+                await self._wakeup.wait()
+                continue
+            async with worker.compute:
+                outputs = await asyncio.to_thread(self.engine.step)
+            await worker.kv_events.flush()
+            for out in outputs:
+                await self._dispatch(out)
+            if not outputs:
+                await asyncio.sleep(_IDLE_RETRY_S)
+
+    async def admit(self, seq: Sequence, first_token_id: int) -> float:
+        """Start decoding `seq` (prompt KV complete): stream the prompt's first token and join the batch.
+        Returns the first token's UNIX timestamp."""
+        stream = DecodeStream(seq, tracer.start_span("decode.generate",
+                                                     attributes={"pdserve.request_id": seq.request_id}))
+        self.streams[seq.request_id] = stream
+        async with self.worker.compute:
+            reason = self.engine.admit(seq, first_token_id)
+        stream.first_token_ts = time.time()
+        await self._emit(stream, () if reason is FinishReason.STOP else (first_token_id,), reason)
+        self.wake()
+        return stream.first_token_ts
+
+    async def finish_now(self, request_id: str, reason: FinishReason) -> None:
+        """End a decoding sequence as finished (e.g. the gateway matched a stop string)."""
+        stream = self.streams.get(request_id)
+        if stream is not None:
+            async with self.worker.compute:
+                self.engine.free(stream.seq)
+            await self._commit(stream)
+            self._finish(stream, reason)
+
+    def stop(self, request_id: str) -> None:
+        """Forget a stream without telling anyone (abort / release); the caller frees the blocks."""
+        stream = self.streams.pop(request_id, None)
+        if stream is not None:
+            stream.span.set_attribute("pdserve.finish_reason", FinishReason.ABORT.value)
+            stream.span.end()
+
+    async def _dispatch(self, out: StepOutput) -> None:
+        rid = out.seq.request_id
+        if out.prefill_done:
+            fut = self.prefills.pop(rid, None)
+            if fut is not None and not fut.done():
+                fut.set_result(out.sampled_token_id)
+            return
+        stream = self.streams.get(rid)
+        if stream is not None:
+            await self._emit(stream, out.new_token_ids, out.finish_reason)
+
+    async def _emit(self, stream: DecodeStream, token_ids: tuple[int, ...], reason: FinishReason | None) -> None:
+        seq, bus = stream.seq, self.worker.bus
+        await bus.publish(bus.subjects.tokens(seq.request_id), TokenChunk(
+            request_id=seq.request_id, index=seq.output_start_index + stream.num_streamed, token_ids=token_ids,
+            finish_reason=reason))
+        stream.num_streamed += len(token_ids)
+        if reason is not None or stream.num_streamed - stream.num_committed >= self.worker.settings.commit_every_tokens:
+            await self._commit(stream)
+        if reason is not None:
+            self._finish(stream, reason)
+
+    async def _commit(self, stream: DecodeStream) -> None:
+        seq = stream.seq
+        new = seq.output_token_ids[stream.num_committed:stream.num_streamed]
+        if new:
+            await self.worker.bus.emit(seq.request_id, TokensCommitted(
+                start_index=seq.output_start_index + stream.num_committed, token_ids=new), self.worker.worker_id)
+            stream.num_committed = stream.num_streamed
+
+    def _finish(self, stream: DecodeStream, reason: FinishReason) -> None:
+        seq = stream.seq
+        self.streams.pop(seq.request_id, None)
+        stream.span.set_attribute("pdserve.finish_reason", reason.value)
+        stream.span.set_attribute("gen_ai.usage.output_tokens", stream.num_streamed)
+        stream.span.end()
+        msg = DecodeFinished(request_id=seq.request_id, worker_id=self.worker.worker_id, finish_reason=reason,
+                             num_output_tokens=seq.output_start_index + stream.num_streamed,
+                             first_token_ts=stream.first_token_ts or time.time(), last_token_ts=time.time())
+        self.worker.bus.spawn(self._tell_coordinator(msg))
+
+    async def _tell_coordinator(self, msg: DecodeFinished, attempts: int = 10) -> None:
+        bus = self.worker.bus
+        for attempt in range(attempts):
+            try:
+                await bus.request(bus.subjects.finished, msg, Ack, timeout_s=2.0)
+                return
+            except (BusTimeout, RejectedError) as e:
+                log.warning("DecodeFinished for %s not acknowledged (%s), attempt %d", msg.request_id, e, attempt + 1)
+                await asyncio.sleep(0.5)
