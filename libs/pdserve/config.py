@@ -59,7 +59,34 @@ class GatewaySettings(CommonSettings, ModelSettings):
 
 
 class RouterSettings(CommonSettings):
+    """The router's policy and its knobs. Names and defaults follow Dynamo's KV router
+    (docs.nvidia.com/dynamo, Router → Configuration: `--router-mode`, `--kv-overlap-score-weight` 1.0,
+    `--router-temperature` 0.0) and its conditional disaggregation (`max_local_prefill_length`)."""
+
     heartbeat_timeout_s: float = Field(3.0, description="A worker silent this long is not routed to.")
+    policy: str = Field(
+        "kv", description="Prefill placement: 'kv' (Dynamo's KV-aware cost), 'round_robin', 'least_loaded', "
+        "'random'.")
+    overlap_score_weight: float = Field(
+        1.0, ge=0, description="Weight w of the prefill term in cost = w·(uncached + active prefill blocks) "
+        "+ active decode blocks. Higher favours cache reuse (TTFT), lower spreads load (ITL). Dynamo: 1.0.")
+    temperature: float = Field(
+        0.0, ge=0, description="0 = lowest cost wins; > 0 samples by softmax over min-max normalised costs "
+        "(Dynamo's --router-temperature, default 0.0).")
+    local_prefill_max_tokens: int = Field(
+        0, ge=0, description="Conditional disaggregation: the decode worker prefills itself ('local') when "
+        "the prompt's uncached tokens there are at most this many and it is not busy. 0 = always "
+        "disaggregate. Dynamo's disaggregated-router examples use 1000 (max_local_prefill_length).")
+    local_prefill_max_active_requests: int = Field(
+        8, ge=0, description="'Not busy' for a local prefill: the decode worker has at most this many active "
+        "requests.")
+    kv_index_ttl_s: float = Field(
+        10.0, description="A worker's indexed blocks are dropped when nothing (KV events, digest, heartbeat) "
+        "was heard from it for this long.")
+    booking_max_age_s: float = Field(
+        600.0, description="The router's own record of a placed request is dropped after this long even "
+        "if its end was never seen (a lost event must not leak load).")
+    seed: int | None = Field(None, description="Seed of the random and temperature sampling (None = OS).")
 
 
 class CoordinatorSettings(CommonSettings):

@@ -44,6 +44,9 @@ class RequestRouted(Payload):
     predicted_cached_tokens: int
     best_cached_tokens: int
     route_s: float
+    policy: str = ""
+    block_size: int = 0
+    prompt_block_hashes: list[int] = []
 
 
 class DecodeReserved(Payload):

@@ -204,6 +204,11 @@ class CandidateCost(Message):
     cost: float
     active_requests: int
     kv_usage: float = Field(description="Fraction of KV capacity in use, 0..1.")
+    # The KV router's cost terms (pdserve.routing.policy), in blocks of the worker's block size.
+    cached_blocks: int = 0
+    uncached_blocks: int = 0
+    active_prefill_blocks: int = 0
+    active_decode_blocks: int = 0
 
 
 class RouteDecision(Message):
@@ -214,6 +219,10 @@ class RouteDecision(Message):
     candidates: tuple[CandidateCost, ...]
     predicted_cached_tokens: int = 0
     best_cached_tokens: int = 0
+    policy: str = ""
+    block_size: int = 0
+    prompt_block_hashes: tuple[int, ...] = Field(
+        (), description="The prompt's chained block hashes: what offline replay re-decides with.")
 
 
 # ---------------------------------------------------------------- coordinator ↔ workers

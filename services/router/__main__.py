@@ -1,38 +1,79 @@
-"""Router: keeps the live workers from their heartbeats and answers placement requests."""
+"""Router: live workers from heartbeats, the KV index from their KV events and digests, its own load
+bookings released by the lifecycle events; answers placement requests (`pdserve.routing.placement`)."""
 
 from __future__ import annotations
+
+import asyncio
+import logging
 
 from opentelemetry import trace
 
 from pdserve.bus import Bus
 from pdserve.config import RouterSettings
-from pdserve.messages import Heartbeat, RouteDecision, RouteRequest
-from pdserve.routing.policy import LeastLoaded
-from pdserve.routing.registry import WorkerRegistry
+from pdserve.events import TERMINAL_TYPES, Event
+from pdserve.messages import Heartbeat, KVDigest, KVEvents, RouteDecision, RouteRequest
+from pdserve.routing.placement import Placer
 from pdserve.service import run_service
 
 tracer = trace.get_tracer("pdserve.router")
+log = logging.getLogger("pdserve.router")
 
 
 async def setup(bus: Bus, settings: RouterSettings):
-    registry = WorkerRegistry(settings.heartbeat_timeout_s)
-    policy = LeastLoaded()
+    placer = Placer(settings)
 
     async def on_heartbeat(hb: Heartbeat) -> None:
-        registry.observe(hb)
+        placer.observe_heartbeat(hb)
+
+    async def on_kv_events(batch: KVEvents) -> None:
+        placer.observe_kv_events(batch)
+
+    async def on_kv_digest(digest: KVDigest) -> None:
+        if not placer.observe_kv_digest(digest):
+            log.warning(
+                "KV digest of %s disagrees with the index at seq %d: its blocks count as cold "
+                "until a digest matches",
+                digest.worker_id,
+                digest.seq,
+            )
+
+    async def on_lifecycle(event: Event) -> None:
+        if event.type == "PrefillCompleted":
+            placer.prefill_done(event.request_id)
+        elif event.type in TERMINAL_TYPES:
+            placer.release(event.request_id)
 
     async def route(req: RouteRequest) -> RouteDecision:
         with tracer.start_as_current_span("router.route") as span:
             span.set_attribute("pdserve.request_id", req.request_id)
-            decision = policy.choose(req, registry)
+            decision = placer.route(req)
             span.set_attribute("pdserve.mode", decision.mode)
+            span.set_attribute("pdserve.predicted_cached_tokens", decision.predicted_cached_tokens)
+            span.set_attribute("pdserve.best_cached_tokens", decision.best_cached_tokens)
             return decision
 
-    sub = await bus.subscribe(bus.subjects.heartbeat(), Heartbeat, on_heartbeat)
+    async def expire_forever() -> None:
+        while True:
+            await asyncio.sleep(1.0)
+            placer.expire()
+
+    events = bus.subjects.all_events.removesuffix(">")
+    subs = [
+        await bus.subscribe(bus.subjects.heartbeat(), Heartbeat, on_heartbeat),
+        await bus.subscribe(bus.subjects.kv_events(), KVEvents, on_kv_events),
+        await bus.subscribe(bus.subjects.kv_digest(), KVDigest, on_kv_digest),
+        *[
+            await bus.subscribe(f"{events}*.{t}", Event, on_lifecycle)  # type: ignore[type-var]
+            for t in ("PrefillCompleted", *sorted(TERMINAL_TYPES))
+        ],
+    ]
     await bus.serve(bus.subjects.route, RouteRequest, route, queue="router")
+    expiry = asyncio.ensure_future(expire_forever())
 
     async def cleanup() -> None:
-        await sub.unsubscribe()
+        expiry.cancel()
+        for sub in subs:
+            await sub.unsubscribe()
 
     return cleanup
 

@@ -1,57 +1,282 @@
+"""Routing policies and placement decisions (the router's logic without NATS)."""
+
 from __future__ import annotations
 
+import random
 import time
+from collections import Counter
 
 import pytest
 
 from pdserve.bus import RejectedError
-from pdserve.messages import CompatibilityDescriptor, Heartbeat, RejectCode, Role, RouteRequest
-from pdserve.routing.policy import LeastLoaded
+from pdserve.config import RouterSettings
+from pdserve.engine.block_hash import hash_blocks
+from pdserve.messages import (
+    BlockStored,
+    CompatibilityDescriptor,
+    Heartbeat,
+    KVEvents,
+    RejectCode,
+    Role,
+    RouteRequest,
+)
+from pdserve.routing.cache_model import PrefixCacheModel
+from pdserve.routing.placement import Placer
+from pdserve.routing.policy import (
+    Candidate,
+    KVCost,
+    LeastLoaded,
+    Random,
+    RoundRobin,
+    make_policy,
+    softmax_sample,
+)
 from pdserve.routing.registry import WorkerRegistry
 
-DESC = CompatibilityDescriptor(model="tiny", weights_hash="abc", dtype="float32", block_size=16, num_layers=2,
-                               num_kv_heads=2, head_dim=16, hash_seed=0, layout_version=1)
+DESC = CompatibilityDescriptor(
+    model="tiny",
+    weights_hash="abc",
+    dtype="float32",
+    block_size=16,
+    num_layers=2,
+    num_kv_heads=2,
+    head_dim=16,
+    hash_seed=0,
+    layout_version=1,
+)
 
 
 def hb(worker_id: str, role: Role, running: int = 0, descriptor: CompatibilityDescriptor = DESC) -> Heartbeat:
-    return Heartbeat(worker_id=worker_id, role=role, descriptor=descriptor, num_running=running, num_waiting=0,
-                     kv_capacity_tokens=1000, kv_free_tokens=1000, ts=time.time())
+    return Heartbeat(
+        worker_id=worker_id,
+        role=role,
+        descriptor=descriptor,
+        num_running=running,
+        num_waiting=0,
+        kv_capacity_tokens=1000,
+        kv_free_tokens=1000,
+        ts=time.time(),
+    )
 
 
-def route(registry: WorkerRegistry):
-    return LeastLoaded().choose(RouteRequest(request_id="r", num_prompt_tokens=10), registry)
+def cand(wid: str, cached: int = 0, prefill: int = 0, decode: int = 0, active: int = 0, blocks: int = 10):
+    return Candidate(
+        worker_id=wid,
+        role=Role.PREFILL,
+        prompt_blocks=blocks,
+        cached_blocks=cached,
+        active_prefill_blocks=prefill,
+        active_decode_blocks=decode,
+        active_requests=active,
+        kv_usage=0.0,
+    )
 
 
-def test_least_loaded_picks_the_idle_prefill_and_decode_workers():
-    reg = WorkerRegistry(timeout_s=10)
-    for h in (hb("p0", Role.PREFILL, 2), hb("p1", Role.PREFILL, 0), hb("d0", Role.DECODE, 0),
-              hb("d1", Role.DECODE, 5)):
-        reg.observe(h)
-    decision = route(reg)
-    assert (decision.mode, decision.prefill_worker_id, decision.decode_worker_id) == ("disaggregated", "p1", "d0")
-    assert {c.worker_id for c in decision.candidates} == {"p0", "p1", "d0", "d1"}
+def placer(policy: str = "kv", **kw) -> Placer:
+    p = Placer(RouterSettings(policy=policy, seed=0, **kw))
+    for h in (hb("p0", Role.PREFILL), hb("p1", Role.PREFILL), hb("p2", Role.PREFILL), hb("d0", Role.DECODE)):
+        p.observe_heartbeat(h)
+    return p
+
+
+def req(rid: str, tokens: list[int]) -> RouteRequest:
+    return RouteRequest(request_id=rid, num_prompt_tokens=len(tokens), prompt_token_ids=tuple(tokens))
+
+
+def stored(worker: str, seq: int, tokens: list[int]) -> KVEvents:
+    return KVEvents(
+        worker_id=worker,
+        seq=seq,
+        ts=time.time(),
+        events=(BlockStored(block_hashes=tuple(hash_blocks(tokens, 16))),),
+    )
+
+
+PROMPT = list(range(1000, 1000 + 160))  # 10 blocks
+
+
+# ---------------------------------------------------------------- policies
+
+
+def test_kv_cost_is_weighted_prefill_blocks_plus_decode_blocks():
+    policy = KVCost(overlap_score_weight=2.0)
+    assert policy.scores([cand("a", cached=4, prefill=3, decode=5)]) == [2.0 * (6 + 3) + 5]
+
+
+def test_kv_prefers_the_cached_worker_until_its_queue_outweighs_the_hit():
+    policy = KVCost()
+    assert policy.select([cand("a"), cand("b", cached=8)]) == 1
+    assert policy.select([cand("a"), cand("b", cached=8, prefill=8)]) == 1  # equal cost: take the hit
+    assert policy.select([cand("a"), cand("b", cached=8, prefill=9)]) == 0
+
+
+def test_kv_with_temperature_samples_cheaper_workers_more_often():
+    policy = KVCost(temperature=0.3, seed=1)
+    picks = Counter(
+        policy.select([cand("a"), cand("b", cached=5), cand("c", cached=10)]) for _ in range(3000)
+    )
+    assert picks[2] > picks[1] > picks[0] > 0
+
+
+def test_softmax_sample_is_uniform_when_costs_are_equal():
+    rng = random.Random(0)
+    picks = Counter(softmax_sample([3.0, 3.0, 3.0], 0.5, rng) for _ in range(3000))
+    assert all(900 < picks[i] < 1100 for i in range(3))
+
+
+def test_round_robin_cycles_whatever_is_cached():
+    policy = RoundRobin()
+    cands = [cand("a", cached=10), cand("b"), cand("c")]
+    assert [policy.select(cands) for _ in range(6)] == [0, 1, 2, 0, 1, 2]
+
+
+def test_least_loaded_ignores_the_cache():
+    assert LeastLoaded().select([cand("a", cached=10, active=3), cand("b", active=1)]) == 1
+
+
+def test_random_is_seeded_and_covers_every_worker():
+    a = [Random(seed=7).select([cand("a"), cand("b"), cand("c")]) for _ in range(1)]
+    b = [Random(seed=7).select([cand("a"), cand("b"), cand("c")]) for _ in range(1)]
+    policy = Random(seed=7)
+    assert a == b and set(policy.select([cand("a"), cand("b"), cand("c")]) for _ in range(100)) == {0, 1, 2}
+
+
+def test_an_unknown_policy_name_is_an_error():
+    with pytest.raises(ValueError, match="round_robin"):
+        make_policy("fastest")
+
+
+# ---------------------------------------------------------------- placement
+
+
+def test_kv_routes_to_the_worker_holding_the_prefix_and_records_the_ceiling():
+    p = placer()
+    p.observe_kv_events(stored("p1", 0, PROMPT[:96]))  # 6 blocks
+    p.observe_kv_events(stored("p2", 0, PROMPT[:32]))  # 2 blocks
+    d = p.route(req("r1", PROMPT))
+    assert (d.mode, d.prefill_worker_id, d.decode_worker_id) == ("disaggregated", "p1", "d0")
+    assert d.predicted_cached_tokens == d.best_cached_tokens == 96
+    assert d.policy == "kv" and d.block_size == 16 and len(d.prompt_block_hashes) == 10
+    terms = {c.worker_id: c for c in d.candidates}
+    assert (terms["p1"].cached_blocks, terms["p1"].uncached_blocks) == (6, 4)
+    assert (terms["p2"].cached_blocks, terms["p0"].cached_blocks) == (2, 0)
+    assert terms["p1"].cost < terms["p2"].cost < terms["p0"].cost
+
+
+def test_round_robin_records_the_ceiling_it_missed():
+    p = placer("round_robin")
+    p.observe_kv_events(stored("p2", 0, PROMPT))
+    d = p.route(req("r1", PROMPT))
+    assert d.prefill_worker_id == "p0" and d.predicted_cached_tokens == 0 and d.best_cached_tokens == 144
+
+
+def test_a_fully_cached_prompt_still_computes_its_last_block():
+    p = placer()
+    p.observe_kv_events(stored("p0", 0, PROMPT))
+    d = p.route(req("r1", PROMPT))
+    assert d.predicted_cached_tokens == 144  # 9 of 10 blocks: the last token is always computed
+
+
+def test_cache_salt_keeps_equal_prompts_apart():
+    p = placer()
+    p.observe_kv_events(stored("p1", 0, PROMPT))
+    salted = RouteRequest(
+        request_id="r", num_prompt_tokens=160, prompt_token_ids=tuple(PROMPT), cache_salt="t1"
+    )
+    assert p.route(salted).best_cached_tokens == 0
+
+
+def test_a_short_uncached_prompt_is_prefilled_locally_when_the_decode_worker_is_idle():
+    p = placer(local_prefill_max_tokens=64, local_prefill_max_active_requests=1)
+    d = p.route(req("r1", PROMPT[:48]))
+    assert (d.mode, d.prefill_worker_id, d.decode_worker_id) == ("local", "d0", "d0")
+    d = p.route(req("r2", PROMPT))  # 160 uncached tokens: too long to prefill locally
+    assert d.mode == "disaggregated" and d.prefill_worker_id.startswith("p")
+    p.route(req("r3", PROMPT[:48]))  # the decode worker now holds two requests: busy
+    assert p.route(req("r4", PROMPT[:48])).mode == "disaggregated"
+
+
+def test_local_prefill_counts_what_the_decode_worker_has_cached():
+    p = placer(local_prefill_max_tokens=32)
+    p.observe_kv_events(stored("d0", 0, PROMPT))
+    assert p.route(req("r1", PROMPT)).mode == "local"  # 16 uncached tokens on d0
 
 
 def test_incompatible_workers_are_never_paired():
-    reg = WorkerRegistry(timeout_s=10)
-    reg.observe(hb("p0", Role.PREFILL))
-    reg.observe(hb("d0", Role.DECODE, descriptor=DESC.model_copy(update={"block_size": 32})))
+    p = Placer(RouterSettings())
+    p.observe_heartbeat(hb("p0", Role.PREFILL))
+    p.observe_heartbeat(hb("d0", Role.DECODE, descriptor=DESC.model_copy(update={"block_size": 32})))
     with pytest.raises(RejectedError) as e:
-        route(reg)
+        p.route(req("r", PROMPT))
     assert e.value.code is RejectCode.NO_WORKERS
 
 
-def test_only_unified_workers_route_colocated():
-    reg = WorkerRegistry(timeout_s=10)
-    reg.observe(hb("u0", Role.UNIFIED, 1))
-    reg.observe(hb("u1", Role.UNIFIED, 0))
-    decision = route(reg)
-    assert (decision.mode, decision.prefill_worker_id, decision.decode_worker_id) == ("colocated", "u1", "u1")
+def test_only_unified_workers_route_colocated_to_the_least_loaded():
+    p = Placer(RouterSettings(policy="least_loaded"))
+    p.observe_heartbeat(hb("u0", Role.UNIFIED, 1))
+    p.observe_heartbeat(hb("u1", Role.UNIFIED, 0))
+    d = p.route(req("r", PROMPT))
+    assert (d.mode, d.prefill_worker_id, d.decode_worker_id) == ("colocated", "u1", "u1")
 
 
 def test_silent_workers_expire():
     reg = WorkerRegistry(timeout_s=0.0)
     reg.observe(hb("p0", Role.PREFILL))
-    reg.observe(hb("d0", Role.DECODE))
     time.sleep(0.01)
     assert reg.live(Role.PREFILL, Role.DECODE) == []
+
+
+def test_a_worker_restarted_in_place_is_not_routed_to_for_blocks_it_no_longer_holds():
+    p = placer()
+    caches = {w: PrefixCacheModel(w, 64) for w in ("p0", "p1", "p2")}
+    for c in caches.values():
+        p.observe_kv_events(c.start())
+    p.observe_kv_events(caches["p1"].prefill(hash_blocks(PROMPT, 16))[1])
+    p.observe_kv_events(caches["p2"].prefill(hash_blocks(PROMPT[:64], 16))[1])
+    assert p.route(req("r1", PROMPT)).prefill_worker_id == "p1"
+    p.release("r1")
+    p.observe_kv_events(caches["p1"].start())  # p1 restarts: AllBlocksCleared, seq 0 again
+    d = p.route(req("r2", PROMPT))
+    assert d.prefill_worker_id == "p2" and d.best_cached_tokens == 64
+    assert next(c for c in d.candidates if c.worker_id == "p1").cached_blocks == 0
+
+
+def test_bookings_spread_a_burst_and_are_released_when_the_request_ends():
+    p = placer()
+    picks = [p.route(req(f"r{i}", [i] * 160)).prefill_worker_id for i in range(6)]
+    assert Counter(picks) == {"p0": 2, "p1": 2, "p2": 2}
+    for i in range(6):
+        p.prefill_done(f"r{i}")
+    assert all(p.load.prefill_blocks(w) == 0 for w in ("p0", "p1", "p2"))
+    assert p.load.kv_blocks("d0") == 60
+    for i in range(6):
+        p.release(f"r{i}")
+    assert p.load.kv_blocks("d0") == 0 and len(p.load) == 0
+
+
+def test_a_shared_system_prompt_under_load_does_not_send_all_traffic_to_one_worker():
+    """Every request starts with the same 512-token system prompt, which only p0 has cached at first;
+    requests arrive faster than prefills finish (six in flight). Each worker's prefix cache publishes
+    its blocks when a prefill ends."""
+    p = placer()
+    caches = {w: PrefixCacheModel(w, 256) for w in ("p0", "p1", "p2")}
+    for c in caches.values():
+        p.observe_kv_events(c.start())
+    system = list(range(512))
+    p.observe_kv_events(caches["p0"].prefill(hash_blocks(system, 16))[1])
+    rng = random.Random(0)
+    in_flight: list[tuple[str, str, list[int]]] = []
+    picks: Counter[str] = Counter()
+    for i in range(60):
+        tokens = system + [rng.randrange(49152) for _ in range(128)]
+        d = p.route(req(f"r{i}", tokens))
+        picks[d.prefill_worker_id] += 1
+        in_flight.append((f"r{i}", d.prefill_worker_id, tokens))
+        if len(in_flight) > 6:
+            rid, wid, done = in_flight.pop(0)
+            _, events = caches[wid].prefill(hash_blocks(done, 16))
+            if events:
+                p.observe_kv_events(events)
+            p.prefill_done(rid)
+    assert set(picks) == {"p0", "p1", "p2"}
+    assert max(picks.values()) <= 0.5 * 60, picks

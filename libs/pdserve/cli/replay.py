@@ -20,6 +20,7 @@ from rich.console import Console
 from rich.table import Table
 from sqlalchemy.exc import DBAPIError
 
+from pdserve.cli import routing_replay
 from pdserve.config import CommonSettings
 from pdserve.events import SCHEMA_VERSION
 from pdserve.stack_state import read_state
@@ -180,6 +181,8 @@ def run(args: argparse.Namespace) -> int:
     """Exit status: 0 done, 1 no events for `--request`, 2 the database could not be read."""
     url = resolve_database_url(args.database_url, args.var_dir)
     try:
+        if args.routing:
+            return routing_replay.run(args, url)
         if args.request:
             return asyncio.run(_show_request(url, args.request, args.since))
         return asyncio.run(_rebuild(url, args.since))
@@ -202,4 +205,5 @@ def add_parsers(subparsers: argparse._SubParsersAction) -> None:
                         "var/run/stack.json, else postgresql+asyncpg://postgres@127.0.0.1:5432/pdserve).")
     p.add_argument("--var-dir", type=Path, default=None,
                    help="Where to look for run/stack.json (default: $PDS_VAR_DIR, else ./var).")
+    routing_replay.add_arguments(p)
     p.set_defaults(func=run)

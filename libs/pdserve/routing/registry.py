@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import time
+from collections.abc import Callable
 from dataclasses import dataclass
 
 from pdserve.messages import CompatibilityDescriptor, Heartbeat, Role
@@ -11,7 +12,7 @@ from pdserve.messages import CompatibilityDescriptor, Heartbeat, Role
 @dataclass
 class WorkerState:
     heartbeat: Heartbeat
-    last_seen: float  # time.monotonic() seconds
+    last_seen: float  # the registry's clock (time.monotonic() by default), seconds
 
     @property
     def active_requests(self) -> int:
@@ -26,16 +27,21 @@ class WorkerState:
 class WorkerRegistry:
     """Live workers by id. A worker silent for `timeout_s` seconds is no longer listed."""
 
-    def __init__(self, timeout_s: float) -> None:
+    def __init__(self, timeout_s: float, clock: Callable[[], float] = time.monotonic) -> None:
         self.timeout_s = timeout_s
+        self.clock = clock
         self._workers: dict[str, WorkerState] = {}
 
     def observe(self, hb: Heartbeat) -> None:
-        self._workers[hb.worker_id] = WorkerState(hb, time.monotonic())
+        self._workers[hb.worker_id] = WorkerState(hb, self.clock())
+
+    def get(self, worker_id: str) -> WorkerState | None:
+        """The worker's last heartbeat, live or not (None if never heard)."""
+        return self._workers.get(worker_id)
 
     def live(self, *roles: Role) -> list[WorkerState]:
         """Workers heard from within the timeout whose role is one of `roles`, sorted by id."""
-        now = time.monotonic()
+        now = self.clock()
         for wid in [w for w, s in self._workers.items() if now - s.last_seen > self.timeout_s]:
             del self._workers[wid]
         return sorted(

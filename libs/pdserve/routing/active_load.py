@@ -1,0 +1,101 @@
+"""The router's own account of the work it has placed and not yet seen finish.
+
+Heartbeats arrive every half second; a burst of requests routed between two of them would all see the
+same stale load. So, like Dynamo's KV router ("slot tracker": active prefill blocks are released when the
+first token signals prefill completion, active decode blocks when the request completes — Dynamo docs,
+Router → Routing Concepts), the router books each request's prefill blocks on its prefill worker and its
+KV blocks on its decode worker at decision time, and releases them on the request's `PrefillCompleted`
+and terminal events. Bookings older than `max_age_s` are dropped, so a lost event cannot leak load.
+"""
+
+from __future__ import annotations
+
+import time
+from collections.abc import Callable
+from dataclasses import dataclass
+
+
+@dataclass
+class Booking:
+    prefill_worker_id: str
+    prefill_blocks: int
+    decode_worker_id: str
+    decode_blocks: int
+    booked_at: float
+    prefill_done: bool = False
+
+
+class ActiveLoad:
+    """Per worker: uncached blocks of prefills queued or running, KV blocks held by booked requests, and
+    the number of requests in either phase (all in blocks of the workers' block size)."""
+
+    def __init__(self, max_age_s: float = 600.0, clock: Callable[[], float] = time.monotonic) -> None:
+        self.max_age_s = max_age_s
+        self.clock = clock
+        self._bookings: dict[str, Booking] = {}
+        self._prefill_blocks: dict[str, int] = {}
+        self._kv_blocks: dict[str, int] = {}
+        self._requests: dict[str, int] = {}
+
+    def _apply(self, b: Booking, sign: int) -> None:
+        """Add (`sign` +1) or take away (-1) what booking `b` contributes in its current phase."""
+        p, d = b.prefill_worker_id, b.decode_worker_id
+        if not b.prefill_done:
+            self._prefill_blocks[p] = self._prefill_blocks.get(p, 0) + sign * b.prefill_blocks
+        self._kv_blocks[d] = self._kv_blocks.get(d, 0) + sign * b.decode_blocks
+        holders = {b.decode_worker_id} if b.prefill_done else {b.prefill_worker_id, b.decode_worker_id}
+        for wid in holders:
+            self._requests[wid] = self._requests.get(wid, 0) + sign
+
+    def book(
+        self,
+        request_id: str,
+        prefill_worker_id: str,
+        prefill_blocks: int,
+        decode_worker_id: str,
+        decode_blocks: int,
+    ) -> None:
+        """Record a placement: `prefill_blocks` uncached prompt blocks to compute on the prefill worker,
+        `decode_blocks` KV blocks the request will hold on the decode worker (for a local prefill both
+        ids are the decode worker). Booking the same id again replaces the earlier booking (a retry)."""
+        self.release(request_id)
+        b = Booking(prefill_worker_id, prefill_blocks, decode_worker_id, decode_blocks, self.clock())
+        self._bookings[request_id] = b
+        self._apply(b, +1)
+
+    def prefill_done(self, request_id: str) -> None:
+        """The request's prefill finished: its prefill blocks no longer load the prefill worker."""
+        b = self._bookings.get(request_id)
+        if b is not None and not b.prefill_done:
+            self._apply(b, -1)
+            b.prefill_done = True
+            self._apply(b, +1)
+
+    def release(self, request_id: str) -> None:
+        """The request ended (completed, failed or aborted): everything booked for it is released."""
+        b = self._bookings.pop(request_id, None)
+        if b is not None:
+            self._apply(b, -1)
+
+    def expire(self) -> int:
+        """Release bookings older than `max_age_s` seconds; returns how many."""
+        cutoff = self.clock() - self.max_age_s
+        old = [rid for rid, b in self._bookings.items() if b.booked_at < cutoff]
+        for rid in old:
+            self.release(rid)
+        return len(old)
+
+    def prefill_blocks(self, worker_id: str) -> int:
+        return self._prefill_blocks.get(worker_id, 0)
+
+    def kv_blocks(self, worker_id: str) -> int:
+        """KV blocks held there by booked requests that decode there (Dynamo's "active blocks"). A prefill
+        worker holds a prompt's KV only until it is sent: its load is its prefill blocks."""
+        return self._kv_blocks.get(worker_id, 0)
+
+    def requests(self, worker_id: str) -> int:
+        """Requests booked on the worker and not finished there (prefill pending, or decoding)."""
+        return self._requests.get(worker_id, 0)
+
+    def __len__(self) -> int:
+        return len(self._bookings)

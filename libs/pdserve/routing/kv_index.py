@@ -1,0 +1,206 @@
+"""The router's KV index: which workers hold which prefix-cache blocks, from the workers' KV events.
+
+Block hash → bitmask of worker slots, plus each worker's set of hashes (to wipe it at once). Fed by
+`KVEvents` batches (vLLM's KV events: BlockStored, BlockRemoved, AllBlocksCleared) and checked against
+`KVDigest`s. The index may *under*-state what a worker holds, never over-state it for long, so the
+router never counts on blocks a worker no longer has:
+
+- `AllBlocksCleared` (sent at every worker start) wipes the worker: a worker restarted in place is
+  cold, whatever it held before.
+- A `seq` gap (a lost batch), or a digest that disagrees with what the index has applied up to the
+  digest's `seq`, drops the worker's entries and marks it *partial*: later events still apply, so the
+  index holds a subset of the worker's blocks (unknown removals are ignored). A later digest that
+  matches (the unknown blocks have been evicted since) makes it exact again.
+- A worker heard from by neither events, digests nor `touch` (heartbeats) for `ttl_s` seconds is
+  dropped by `expire`.
+
+Lookups (`overlaps`) count, per worker, the blocks of a request's leading run that the worker holds —
+the "overlap score" of Dynamo's KV router (docs.nvidia.com/dynamo, Router → Routing Concepts).
+"""
+
+from __future__ import annotations
+
+import time
+from collections.abc import Callable, Iterable, Sequence
+from dataclasses import dataclass, field
+
+from pdserve.messages import AllBlocksCleared, BlockRemoved, BlockStored, KVDigest, KVEvents
+
+
+@dataclass
+class WorkerBlocks:
+    """What the index knows of one worker. `partial`: entries were dropped after a gap or a digest
+    mismatch, so `hashes` may be a strict subset of what the worker holds."""
+
+    slot: int
+    hashes: set[int] = field(default_factory=set)
+    xor_hashes: int = 0
+    last_seq: int | None = None
+    partial: bool = True  # until the worker's start (AllBlocksCleared) or a matching digest is seen
+    last_heard: float = 0.0
+
+
+class KVIndex:
+    """Block hash → workers holding it. Not thread-safe; every method is O(events) or O(blocks asked)."""
+
+    def __init__(self, ttl_s: float = 10.0, clock: Callable[[], float] = time.monotonic) -> None:
+        self.ttl_s = ttl_s
+        self.clock = clock
+        self._holders: dict[int, int] = {}  # block hash → bitmask of worker slots
+        self._workers: dict[str, WorkerBlocks] = {}
+        self._slot_owner: dict[int, str] = {}
+        self.gaps = 0  # batches lost (seq gaps) since start, all workers
+        self.digest_mismatches = 0
+
+    # ------------------------------------------------------------ updates
+
+    def _worker(self, worker_id: str) -> WorkerBlocks:
+        w = self._workers.get(worker_id)
+        if w is None:
+            slot = next(i for i in range(len(self._slot_owner) + 1) if i not in self._slot_owner)
+            w = self._workers[worker_id] = WorkerBlocks(slot=slot)
+            self._slot_owner[slot] = worker_id
+        w.last_heard = self.clock()
+        return w
+
+    def _clear(self, w: WorkerBlocks) -> None:
+        bit = 1 << w.slot
+        for h in w.hashes:
+            mask = self._holders[h] & ~bit
+            if mask:
+                self._holders[h] = mask
+            else:
+                del self._holders[h]
+        w.hashes = set()
+        w.xor_hashes = 0
+
+    def _store(self, w: WorkerBlocks, hashes: Iterable[int]) -> None:
+        bit = 1 << w.slot
+        for h in hashes:
+            if h not in w.hashes:
+                w.hashes.add(h)
+                w.xor_hashes ^= h
+                self._holders[h] = self._holders.get(h, 0) | bit
+
+    def _remove(self, w: WorkerBlocks, hashes: Iterable[int]) -> None:
+        bit = 1 << w.slot
+        for h in hashes:
+            if h in w.hashes:
+                w.hashes.discard(h)
+                w.xor_hashes ^= h
+                mask = self._holders[h] & ~bit
+                if mask:
+                    self._holders[h] = mask
+                else:
+                    del self._holders[h]
+
+    def apply(self, batch: KVEvents) -> None:
+        """Apply one batch of a worker's KV events. A batch whose `seq` is not the previous one + 1 means
+        batches were lost: the worker's entries are dropped first (it is treated as partial), unless the
+        batch itself starts with `AllBlocksCleared`. A batch with `seq` at or below the last one applied
+        is a repeat and is ignored, unless it starts with `AllBlocksCleared` (a restarted worker counts
+        from 0 again)."""
+        w = self._worker(batch.worker_id)
+        starts_clean = bool(batch.events) and isinstance(batch.events[0], AllBlocksCleared)
+        if w.last_seq is not None and batch.seq <= w.last_seq and not starts_clean:
+            return
+        if w.last_seq is not None and batch.seq != w.last_seq + 1 and not starts_clean:
+            self.gaps += 1
+            self._clear(w)
+            w.partial = True
+        w.last_seq = batch.seq
+        for ev in batch.events:
+            if isinstance(ev, BlockStored):
+                self._store(w, ev.block_hashes)
+            elif isinstance(ev, BlockRemoved):
+                self._remove(w, ev.block_hashes)
+            elif isinstance(ev, AllBlocksCleared):
+                self._clear(w)
+                w.partial = False
+
+    def check_digest(self, digest: KVDigest) -> bool:
+        """Compare a worker's digest with the index. Returns True when they agree (a partial worker becomes
+        exact again). A digest for a `seq` the index has not reached means batches were lost; one that
+        disagrees at the same `seq` means drift: either way the worker's entries are dropped (partial) and
+        False is returned. A digest older than the last applied batch cannot be compared: True."""
+        w = self._worker(digest.worker_id)
+        if w.last_seq is not None and digest.seq < w.last_seq:
+            return True
+        if (
+            w.last_seq == digest.seq
+            and len(w.hashes) == digest.num_blocks
+            and w.xor_hashes == digest.xor_hashes
+        ):
+            w.partial = False
+            return True
+        if w.last_seq is None or digest.seq > w.last_seq:
+            self.gaps += 1
+        elif not w.partial:
+            self.digest_mismatches += 1
+        self._clear(w)
+        w.partial = True
+        w.last_seq = digest.seq
+        return False
+
+    def touch(self, worker_id: str) -> None:
+        """The worker is alive (a heartbeat): keep its entries from expiring."""
+        if worker_id in self._workers:
+            self._workers[worker_id].last_heard = self.clock()
+
+    def remove_worker(self, worker_id: str) -> None:
+        """Forget a worker and every block it held."""
+        w = self._workers.pop(worker_id, None)
+        if w is not None:
+            self._clear(w)
+            del self._slot_owner[w.slot]
+
+    def expire(self) -> list[str]:
+        """Drop every worker not heard from for `ttl_s` seconds; returns their ids."""
+        now = self.clock()
+        silent = [wid for wid, w in self._workers.items() if now - w.last_heard > self.ttl_s]
+        for wid in silent:
+            self.remove_worker(wid)
+        return silent
+
+    # ------------------------------------------------------------ lookups
+
+    def overlaps(self, block_hashes: Sequence[int], worker_ids: Iterable[str]) -> dict[str, int]:
+        """For each of `worker_ids`, how many of `block_hashes` (a prompt's chained hashes, in order) it
+        holds as a leading run — the blocks its prefix cache would hit. Unknown workers get 0."""
+        slots = {self._workers[wid].slot: wid for wid in worker_ids if wid in self._workers}
+        out = dict.fromkeys(worker_ids, 0)
+        alive = sum(1 << s for s in slots)
+        for depth, h in enumerate(block_hashes):
+            still = alive & self._holders.get(h, 0)
+            if still != alive:
+                gone = alive & ~still
+                for s, wid in slots.items():
+                    if gone >> s & 1:
+                        out[wid] = depth
+                alive = still
+                if not alive:
+                    return out
+        for s, wid in slots.items():
+            if alive >> s & 1:
+                out[wid] = len(block_hashes)
+        return out
+
+    def num_blocks(self, worker_id: str | None = None) -> int:
+        """Blocks indexed for one worker, or distinct hashes over all workers."""
+        if worker_id is None:
+            return len(self._holders)
+        w = self._workers.get(worker_id)
+        return len(w.hashes) if w else 0
+
+    def is_partial(self, worker_id: str) -> bool:
+        """True when the index may know only part of the worker's blocks (or nothing of it)."""
+        w = self._workers.get(worker_id)
+        return w is None or w.partial
+
+    def holds(self, worker_id: str, block_hash: int) -> bool:
+        w = self._workers.get(worker_id)
+        return w is not None and block_hash in w.hashes
+
+    @property
+    def worker_ids(self) -> list[str]:
+        return sorted(self._workers)

@@ -1,0 +1,188 @@
+"""Placement: the router's decision for one request — mode, prefill worker, decode worker — and the
+state it decides from (live workers, the KV index, the router's own load bookings).
+
+Disaggregated stack: the decode worker is the one with the fewest booked decode blocks (then fewest
+active requests). Conditional disaggregation (Dynamo's disaggregated router: prefill remotely only when
+the prefill is long, "max_local_prefill_length"): if the prompt's uncached tokens on that decode worker
+are at most `local_prefill_max_tokens` and it has at most `local_prefill_max_active_requests` active
+requests, it prefills locally (mode `local`). Otherwise the policy picks the prefill worker among those
+compatible with the decode worker. Unified workers only: the policy picks one (mode `colocated`).
+
+Every decision records each candidate's cost terms, the predicted cached tokens on the chosen prefill
+worker, and the most cached tokens any candidate held (the perfect-router ceiling for this request).
+A fully cached prompt still computes its last token, so a hit covers at most (n − 1) // block_size
+blocks (as vLLM's prefix cache: `max_cache_hit_length = num_tokens − 1`).
+"""
+
+from __future__ import annotations
+
+import time
+from collections.abc import Callable, Sequence
+
+from pdserve.bus import RejectedError
+from pdserve.config import RouterSettings
+from pdserve.engine.block_hash import hash_blocks
+from pdserve.messages import (
+    CompatibilityDescriptor,
+    Heartbeat,
+    KVDigest,
+    KVEvents,
+    RejectCode,
+    Role,
+    RouteDecision,
+    RouteRequest,
+)
+from pdserve.routing.active_load import ActiveLoad
+from pdserve.routing.kv_index import KVIndex
+from pdserve.routing.policy import Candidate, RoutingPolicy, make_policy
+from pdserve.routing.registry import WorkerRegistry, WorkerState
+
+
+def _ceil_div(a: int, b: int) -> int:
+    return -(-a // b)
+
+
+class Placer:
+    """The router's state and decision. Feed it with `observe_*`, `prefill_done` and `release`; ask it
+    with `route`. `clock` (seconds) drives liveness and expiry, so a simulation can run it in virtual
+    time. Not thread-safe: call from one event loop."""
+
+    def __init__(
+        self,
+        settings: RouterSettings,
+        policy: RoutingPolicy | None = None,
+        clock: Callable[[], float] = time.monotonic,
+    ) -> None:
+        self.settings = settings
+        self.policy = policy or make_policy(
+            settings.policy, settings.overlap_score_weight, settings.temperature, settings.seed
+        )
+        self.registry = WorkerRegistry(settings.heartbeat_timeout_s, clock)
+        self.index = KVIndex(settings.kv_index_ttl_s, clock)
+        self.load = ActiveLoad(settings.booking_max_age_s, clock)
+
+    # ------------------------------------------------------------ inputs
+
+    def observe_heartbeat(self, hb: Heartbeat) -> None:
+        self.registry.observe(hb)
+        self.index.touch(hb.worker_id)
+
+    def observe_kv_events(self, batch: KVEvents) -> None:
+        self.index.apply(batch)
+
+    def observe_kv_digest(self, digest: KVDigest) -> bool:
+        """False when the digest disagreed with the index (the worker's entries were dropped)."""
+        return self.index.check_digest(digest)
+
+    def prefill_done(self, request_id: str) -> None:
+        self.load.prefill_done(request_id)
+
+    def release(self, request_id: str) -> None:
+        self.load.release(request_id)
+
+    def expire(self) -> None:
+        """Drop silent workers' blocks and stale bookings (call periodically)."""
+        self.index.expire()
+        self.load.expire()
+
+    # ------------------------------------------------------------ decision
+
+    def _candidate(
+        self, state: WorkerState, num_tokens: int, hashes: Sequence[int], decodes_here: bool
+    ) -> Candidate:
+        desc = state.heartbeat.descriptor
+        wid = state.heartbeat.worker_id
+        max_hit = max(num_tokens - 1, 0) // desc.block_size
+        cached = min(self.index.overlaps(hashes[:max_hit], (wid,))[wid], max_hit)
+        prompt_blocks = _ceil_div(num_tokens, desc.block_size)
+        return Candidate(
+            worker_id=wid,
+            role=state.heartbeat.role,
+            prompt_blocks=prompt_blocks,
+            cached_blocks=cached,
+            active_prefill_blocks=self.load.prefill_blocks(wid),
+            active_decode_blocks=self.load.kv_blocks(wid) + (prompt_blocks if decodes_here else 0),
+            active_requests=max(state.active_requests, self.load.requests(wid)),
+            kv_usage=state.kv_usage,
+        )
+
+    def route(self, req: RouteRequest, block_hashes: Sequence[int] | None = None) -> RouteDecision:
+        """Place `req`. Its prompt's block hashes are computed from `req.prompt_token_ids` per compatible
+        descriptor (block size, hash seed, `cache_salt`), unless `block_hashes` gives them (offline replay,
+        one descriptor). Books the placement in `self.load`. Raises `RejectedError(NO_WORKERS)` when no
+        live compatible placement exists."""
+        memo: dict[tuple[int, int], list[int]] = {}
+
+        def hashes_for(desc: CompatibilityDescriptor) -> list[int]:
+            if block_hashes is not None:
+                return list(block_hashes)
+            key = (desc.block_size, desc.hash_seed)
+            if key not in memo:
+                memo[key] = hash_blocks(req.prompt_token_ids, desc.block_size, desc.hash_seed, req.cache_salt)
+            return memo[key]
+
+        prefill, decode = self.registry.live(Role.PREFILL), self.registry.live(Role.DECODE)
+        decode = [
+            d
+            for d in decode
+            if any(WorkerRegistry.compatible(p.heartbeat.descriptor, d.heartbeat.descriptor) for p in prefill)
+        ]
+        n = req.num_prompt_tokens
+        if decode:
+            d_cands = [self._candidate(d, n, hashes_for(d.heartbeat.descriptor), True) for d in decode]
+            di = min(
+                range(len(d_cands)),
+                key=lambda i: (d_cands[i].active_decode_blocks, d_cands[i].active_requests, i),
+            )
+            d_state, d_cand = decode[di], d_cands[di]
+            desc = d_state.heartbeat.descriptor
+            local_ok = self.settings.local_prefill_max_tokens > 0
+            if (
+                local_ok
+                and d_cand.uncached_blocks * desc.block_size <= self.settings.local_prefill_max_tokens
+                and d_cand.active_requests <= self.settings.local_prefill_max_active_requests
+            ):
+                return self._decide(req, "local", d_cand, d_cand, [d_cand], d_cands, desc, hashes_for(desc))
+            p_states = [p for p in prefill if WorkerRegistry.compatible(p.heartbeat.descriptor, desc)]
+            p_cands = [self._candidate(p, n, hashes_for(desc), False) for p in p_states]
+            chosen = p_cands[self.policy.select(p_cands)]
+            ceiling = p_cands + ([d_cand] if local_ok else [])
+            return self._decide(
+                req, "disaggregated", chosen, d_cand, ceiling, p_cands + d_cands, desc, hashes_for(desc)
+            )
+        unified = self.registry.live(Role.UNIFIED)
+        if unified:
+            u_cands = [self._candidate(u, n, hashes_for(u.heartbeat.descriptor), True) for u in unified]
+            chosen = u_cands[self.policy.select(u_cands)]
+            desc = unified[u_cands.index(chosen)].heartbeat.descriptor
+            return self._decide(req, "colocated", chosen, chosen, u_cands, u_cands, desc, hashes_for(desc))
+        raise RejectedError(RejectCode.NO_WORKERS, "no live compatible prefill+decode pair or unified worker")
+
+    def _decide(
+        self,
+        req: RouteRequest,
+        mode: str,
+        prefill: Candidate,
+        decode: Candidate,
+        ceiling: list[Candidate],
+        recorded: list[Candidate],
+        desc: CompatibilityDescriptor,
+        hashes: list[int],
+    ) -> RouteDecision:
+        bs = desc.block_size
+        scores = self.policy.scores(recorded)
+        self.load.book(
+            req.request_id, prefill.worker_id, prefill.uncached_blocks, decode.worker_id, decode.prompt_blocks
+        )
+        return RouteDecision(
+            request_id=req.request_id,
+            mode=mode,
+            prefill_worker_id=prefill.worker_id,  # type: ignore[arg-type]
+            decode_worker_id=decode.worker_id,
+            candidates=tuple(c.cost_record(s) for c, s in zip(recorded, scores, strict=True)),
+            predicted_cached_tokens=prefill.cached_blocks * bs,
+            best_cached_tokens=max(c.cached_blocks for c in ceiling) * bs,
+            policy=self.policy.name,
+            block_size=bs,
+            prompt_block_hashes=tuple(hashes),
+        )

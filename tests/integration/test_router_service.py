@@ -1,0 +1,101 @@
+"""The router service over real NATS: KV events in, placement out, restarts and lifecycle events seen."""
+
+from __future__ import annotations
+
+import asyncio
+import time
+from collections.abc import AsyncIterator
+
+import pytest
+
+from pdserve.bus import Bus
+from pdserve.config import CommonSettings, RouterSettings
+from pdserve.engine.block_hash import hash_blocks
+from pdserve.events import PrefillCompleted
+from pdserve.messages import (
+    AllBlocksCleared,
+    BlockStored,
+    CompatibilityDescriptor,
+    Heartbeat,
+    KVEvents,
+    Role,
+    RouteDecision,
+    RouteRequest,
+)
+from pdserve.services.router.__main__ import setup
+
+DESC = CompatibilityDescriptor(
+    model="tiny",
+    weights_hash="abc",
+    dtype="float32",
+    block_size=16,
+    num_layers=2,
+    num_kv_heads=2,
+    head_dim=16,
+    hash_seed=0,
+    layout_version=1,
+)
+PROMPT = tuple(range(7, 7 + 128))
+
+
+@pytest.fixture(scope="module")
+async def bus(settings: CommonSettings) -> AsyncIterator[Bus]:
+    b = await Bus.connect(
+        settings.model_copy(update={"subject_prefix": settings.subject_prefix + "rt"}), "test"
+    )
+    cleanup = await setup(b, RouterSettings(**b.settings.model_dump()))
+    for wid, role in (("p0", Role.PREFILL), ("p1", Role.PREFILL), ("d0", Role.DECODE)):
+        await b.publish(
+            b.subjects.heartbeat(wid),
+            Heartbeat(
+                worker_id=wid,
+                role=role,
+                descriptor=DESC,
+                num_running=0,
+                num_waiting=0,
+                kv_capacity_tokens=4096,
+                kv_free_tokens=4096,
+                ts=time.time(),
+            ),
+        )
+    yield b
+    await cleanup()
+    await b.close()
+
+
+async def route(bus: Bus, rid: str) -> RouteDecision:
+    return await bus.request(
+        bus.subjects.route,
+        RouteRequest(request_id=rid, num_prompt_tokens=len(PROMPT), prompt_token_ids=PROMPT),
+        RouteDecision,
+        2.0,
+    )
+
+
+async def kv(bus: Bus, worker: str, seq: int, *events) -> None:
+    await bus.publish(
+        bus.subjects.kv_events(worker), KVEvents(worker_id=worker, seq=seq, events=events, ts=time.time())
+    )
+    await bus.nc.flush()
+    await asyncio.sleep(0.05)
+
+
+async def test_routes_to_the_worker_whose_kv_events_hold_the_prompt_until_it_restarts(bus):
+    await kv(bus, "p1", 0, AllBlocksCleared(), BlockStored(block_hashes=tuple(hash_blocks(PROMPT, 16))))
+    d = await route(bus, "r1")
+    assert d.prefill_worker_id == "p1" and d.predicted_cached_tokens == 112 and d.policy == "kv"
+    await bus.emit(
+        "r1",
+        PrefillCompleted(
+            prefill_worker_id="p1",
+            transfer_id="x",
+            first_token_id=1,
+            num_cached_tokens=112,
+            num_computed_tokens=16,
+            kv_bytes=1,
+            prefill_s=0.1,
+        ),
+    )
+    await kv(bus, "p1", 0, AllBlocksCleared())  # restarted in place
+    d = await route(bus, "r2")
+    assert d.best_cached_tokens == 0 and d.predicted_cached_tokens == 0
