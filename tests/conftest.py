@@ -94,3 +94,27 @@ def settings(nats_url: str, database_url: str, run_id: str, tmp_path_factory) ->
         events_stream=f"PDS_EVENTS_{run_id}",
         var_dir=tmp_path_factory.mktemp("var"),
     )
+
+
+@pytest.fixture(scope="session")
+def isolated_settings(settings: CommonSettings, postgres_admin_url: str, run_id: str):
+    """`make(name)` → settings with a database, events stream and subject prefix of their own, so a full
+    stack (with its own recorder and coordinator) never answers or records another test's traffic."""
+    from pdserve.store.migrate import create_database, drop_database, upgrade
+
+    created: list[str] = []
+
+    def make(name: str) -> CommonSettings:
+        db = f"pdserve_test_{run_id}_{name}"
+        url = create_database(postgres_admin_url, db)
+        upgrade(url)
+        created.append(db)
+        return settings.model_copy(update={
+            "database_url": url,
+            "subject_prefix": f"{settings.subject_prefix}{name}",
+            "events_stream": f"{settings.events_stream}_{name}",
+        })
+
+    yield make
+    for db in created:
+        drop_database(postgres_admin_url, db)

@@ -24,8 +24,8 @@ PROMPTS = [
 
 
 @pytest.fixture(scope="module")
-def smollm2_stack(settings, tmp_path_factory) -> Iterator[Stack]:
-    stack = Stack(settings, tmp_path_factory.mktemp("smollm2-stack"), model="smollm2")
+def smollm2_stack(isolated_settings, tmp_path_factory) -> Iterator[Stack]:
+    stack = Stack(isolated_settings("smollm2stack"), tmp_path_factory.mktemp("smollm2-stack"), model="smollm2")
     try:
         yield stack.start()
     finally:
