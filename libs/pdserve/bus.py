@@ -212,6 +212,14 @@ class Bus:
         self.spawn(self._publish_event(ev))
         return ev
 
+    async def emit_stored(self, request_id: str, payload: Payload, worker_id: str | None = None) -> Event:
+        """Publish a lifecycle event and wait until JetStream has stored it (retried as `emit` does), for
+        an event every later one must follow in the stream: the gateway's `RequestReceived` before its
+        Submit (recovery rebuilds the request from it). Costs one JetStream round trip (~0.4 ms here)."""
+        ev = self.event(request_id, payload, worker_id)
+        await self._publish_event(ev)
+        return ev
+
     async def _publish_event(self, ev: Event, attempts: int = 20) -> None:
         data = ev.model_dump_json().encode()
         for attempt in range(attempts):

@@ -16,7 +16,7 @@ from typing import Any, ClassVar
 from pydantic import BaseModel, ConfigDict, Field
 
 from pdserve.ids import new_id
-from pdserve.messages import CandidateCost, FinishReason
+from pdserve.messages import CandidateCost, FinishReason, SamplingParams
 
 SCHEMA_VERSION = 1
 
@@ -27,12 +27,22 @@ class Payload(BaseModel):
 
 
 class RequestReceived(Payload):
+    """Everything needed to run the request again from the log alone (coordinator recovery, resumable
+    streams): the prompt token ids, sampling, cache salt, stop strings and the gateway's receive time
+    (UNIX seconds). Events of older producers lack them (None): such a request cannot be resumed."""
+
     type: ClassVar[str] = "RequestReceived"
     model: str
     endpoint: str
     num_prompt_tokens: int
     max_tokens: int
     stream: bool
+    prompt_token_ids: list[int] | None = None
+    sampling: SamplingParams | None = None
+    cache_salt: str | None = None
+    stop: list[str] = []
+    include_usage: bool = False
+    received_ts: float | None = None
 
 
 class RequestRouted(Payload):
@@ -123,6 +133,29 @@ class TTFTBreakdown(BaseModel):
     ttft_s: float
 
 
+class RequestMigrated(Payload):
+    """The request leaves `from_worker_id` (dead, or silent past the coordinator's liveness timeout) and
+    runs again on a healthy pair: re-prefilled with prompt + its `num_committed_tokens` committed output
+    tokens, streaming on from that index. `attempt` counts migrations of this request (1 = first)."""
+
+    type: ClassVar[str] = "RequestMigrated"
+    from_worker_id: str
+    phase: str
+    reason: str
+    num_committed_tokens: int
+    attempt: int
+
+
+class RequestRecovered(Payload):
+    """A coordinator that started found this request unfinished in the log and resumes it from `state`
+    (the projection state its events fold to) with `num_committed_tokens` already committed."""
+
+    type: ClassVar[str] = "RequestRecovered"
+    state: str
+    num_committed_tokens: int
+    action: str
+
+
 class RequestCompleted(Payload):
     type: ClassVar[str] = "RequestCompleted"
     finish_reason: FinishReason
@@ -156,6 +189,8 @@ PAYLOAD_TYPES: dict[str, type[Payload]] = {
         ChecksumMismatch,
         DecodeStarted,
         TokensCommitted,
+        RequestMigrated,
+        RequestRecovered,
         RequestCompleted,
         RequestFailed,
         RequestAborted,
@@ -165,7 +200,14 @@ TERMINAL_TYPES = frozenset({"RequestCompleted", "RequestFailed", "RequestAborted
 
 
 class Event(BaseModel):
-    """The envelope every event travels and is stored in."""
+    """The envelope every event travels and is stored in.
+
+    `seq` is the event's 1-based position among its request's events in stream order. It is assigned
+    when read back from the store (`pdserve.store.queries.lifecycle`), never by the publisher: several
+    services publish one request's events concurrently, so no publisher can number them without a
+    round trip per event; the JetStream stream sequence is the order, and `seq` is its per-request rank.
+    On the wire it is None.
+    """
 
     model_config = ConfigDict(frozen=True)
 
@@ -178,6 +220,7 @@ class Event(BaseModel):
     worker_id: str | None = None
     trace_id: str | None = None
     span_id: str | None = None
+    seq: int | None = Field(None, description="Per-request position in stream order, 1-based (store reads).")
     payload: dict[str, Any]
 
     @classmethod

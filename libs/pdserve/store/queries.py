@@ -45,11 +45,14 @@ async def lifecycle_records(engine: AsyncEngine, request_id: str,
     if rid is None:
         return []
     q = sa.select(events).where(events.c.request_id == rid).order_by(events.c.stream_seq)
-    if since is not None:
-        q = q.where(events.c.ts >= _aware(since))
     async with engine.connect() as conn:
         rows = (await conn.execute(q)).mappings().all()
-    return [row_event(r) for r in rows]
+    # seq is the rank in the whole history, so it is computed before `since` filters.
+    out = [RecordedEvent(r.stream_seq, r.event.model_copy(update={"seq": i}))
+           for i, r in enumerate(map(row_event, rows), start=1)]
+    if since is not None:
+        out = [r for r in out if r.event.ts >= _aware(since).timestamp()]
+    return out
 
 
 async def lifecycle(engine: AsyncEngine, request_id: str) -> list[Event]:
@@ -76,6 +79,20 @@ async def unfinished_requests(engine: AsyncEngine) -> list[Row]:
          .order_by(requests.c.received_at.nulls_first(), requests.c.request_id))
     async with engine.connect() as conn:
         return [request_dict(r) for r in (await conn.execute(q)).mappings()]
+
+
+async def events_of_requests(engine: AsyncEngine, request_ids: list[str],
+                             types: tuple[str, ...] = ()) -> list[RecordedEvent]:
+    """Stored events of `request_ids` (only `types` when given), ordered by stream sequence. Used by
+    coordinator recovery and resumable streams; malformed ids are skipped."""
+    rids = [r for r in map(_uuid, request_ids) if r is not None]
+    if not rids:
+        return []
+    q = sa.select(events).where(events.c.request_id.in_(rids)).order_by(events.c.stream_seq)
+    if types:
+        q = q.where(events.c.type.in_(types))
+    async with engine.connect() as conn:
+        return [row_event(r) for r in (await conn.execute(q)).mappings()]
 
 
 async def state_counts(engine: AsyncEngine) -> dict[str, int]:
