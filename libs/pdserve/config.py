@@ -96,6 +96,19 @@ class CoordinatorSettings(CommonSettings):
     prefill_timeout_s: float = Field(120.0, description="Deadline of the prefill phase (incl. transfer).")
     decode_timeout_s: float = Field(600.0, description="Deadline of the decode phase.")
     max_prefill_attempts: int = Field(2, description="Prefill+transfer attempts before the request fails.")
+    worker_timeout_s: float = Field(
+        2.0, description="A worker silent this long (no heartbeat; they beat every 0.5 s) is dead: its "
+        "requests migrate. Below the router's 3 s, so a migrated request is not routed back to it for long.")
+    max_migrations: int = Field(
+        3, description="Migrations (re-prefill of prompt + committed tokens on healthy workers after a "
+        "worker died) one request may make before it fails; 0 turns migration off.")
+    route_wait_s: float = Field(
+        20.0, description="How long routing is retried while the router is unreachable or has no live pair.")
+    recover_on_start: bool = Field(
+        True, description="At start, resume every request the event log shows unfinished.")
+    recovery_stall_s: float = Field(
+        3.0, description="A resumed decoding request whose worker streams nothing for this long is "
+        "migrated (its DecodeFinished may have been lost while no coordinator ran).")
 
 
 class WorkerSettings(CommonSettings, ModelSettings):

@@ -1,4 +1,5 @@
-"""Coordinator (the transfer-coordinator): owns each request's lifecycle across the pools."""
+"""Coordinator (the transfer-coordinator): owns each request's lifecycle across the pools, and at start
+resumes every request the event log shows unfinished."""
 
 from __future__ import annotations
 
@@ -6,15 +7,22 @@ from pdserve.bus import Bus
 from pdserve.config import CoordinatorSettings
 from pdserve.lifecycle.coordinator import Coordinator
 from pdserve.service import run_service
+from pdserve.store.queries import make_engine
 
 
 def main() -> None:
     settings = CoordinatorSettings()
 
     async def setup(bus: Bus):
-        coordinator = Coordinator(bus, settings)
+        engine = make_engine(settings.database_url)  # read only: recovery folds the log from it
+        coordinator = Coordinator(bus, settings, engine)
         await coordinator.serve()
-        return coordinator.stop
+
+        async def cleanup() -> None:
+            await coordinator.stop()
+            await engine.dispose()
+
+        return cleanup
 
     run_service("coordinator", settings, setup)
 

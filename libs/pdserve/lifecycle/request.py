@@ -6,6 +6,19 @@ has a deadline, so every request ends: `RequestCompleted`, `RequestFailed` {phas
 `RequestAborted`. Whatever the outcome, everything the request holds on every worker is released.
 A transfer that fails verification is retried with a fresh reservation and prefill, up to
 `max_prefill_attempts`; unverified KV is never admitted.
+
+Migration: while a worker the request depends on is silent past `worker_timeout_s` (or does not answer
+a command), the attempt is abandoned (`WorkerLost`), and — at most `max_migrations` times — the request
+runs again on a healthy pair, re-prefilled with prompt + the output tokens the journal
+(`TokensCommitted`) holds, streaming on from that index. Tokens streamed but not yet committed when the
+decode died are generated again with the same indices; the gateway keeps the first token of each index
+(`ChunkReassembler`), so with greedy sampling (deterministic) the client's stream has no token missing or
+repeated. With temperature > 0 the regenerated tail may differ from what was streamed; the client keeps
+what it saw, the journal keeps its first commit of each index.
+
+Recovery: a lifecycle built with a `ResumePoint` (folded from the log by `lifecycle.recovery`) starts
+from it: a request decoding on a worker that is still alive is watched to its end; any other unfinished
+request runs again from route with prompt + committed tokens.
 """
 
 from __future__ import annotations
@@ -13,207 +26,238 @@ from __future__ import annotations
 import asyncio
 import logging
 import time
+from dataclasses import dataclass, field
 
 from opentelemetry import trace
 
 from pdserve.bus import Bus, BusTimeout, RejectedError
 from pdserve.config import CoordinatorSettings
-from pdserve.events import (
-    AdmissionDeferred,
-    DecodeReserved,
-    RequestAborted,
-    RequestCompleted,
-    RequestFailed,
-    RequestRouted,
-    TTFTBreakdown,
-)
-from pdserve.ids import new_id
-from pdserve.messages import (
-    Ack,
-    DecodeAdmitted,
-    DecodeFinished,
-    FinishReason,
-    PrefillRequest,
-    PrefillResult,
-    RejectCode,
-    Release,
-    Reservation,
-    ReserveRequest,
-    RouteDecision,
-    RouteRequest,
-    StartDecode,
-    Submit,
-    TokenChunk,
-)
+from pdserve.events import RequestAborted, RequestFailed, RequestMigrated
+from pdserve.lifecycle.journal import read_committed
+from pdserve.lifecycle.liveness import WorkerLiveness
+from pdserve.lifecycle.phases import PhaseFailed, Phases, WorkerLost
+from pdserve.messages import DecodeAdmitted, DecodeFinished, FinishReason, RouteDecision, Submit, TokenChunk
 
 log = logging.getLogger(__name__)
 tracer = trace.get_tracer("pdserve.coordinator")
 
-
-class PhaseFailed(Exception):
-    def __init__(self, phase: str, reason: str) -> None:
-        super().__init__(f"{phase}: {reason}")
-        self.phase = phase
-        self.reason = reason
+__all__ = ["PhaseFailed", "RequestLifecycle", "ResumePoint", "WorkerLost"]
 
 
-class RequestLifecycle:
-    def __init__(self, bus: Bus, settings: CoordinatorSettings, submit: Submit) -> None:
-        self.bus = bus
-        self.settings = settings
-        self.submit = submit
-        self.request_id = submit.request_id
+@dataclass(frozen=True)
+class ResumePoint:
+    """Where a recovered request picks up: its projection `state`, the decode worker it was running on
+    (None unless `state == "decoding"`), workers that may hold something of it, the output tokens
+    committed so far and the migrations already made."""
+
+    state: str
+    decode_worker_id: str | None
+    holders: frozenset[str]
+    committed: tuple[int, ...]
+    migrations: int = 0
+
+
+@dataclass
+class Attempt:
+    """The placement a run of the request is using now (one per migration)."""
+
+    decision: RouteDecision
+    admitted: DecodeAdmitted | None = None
+    timings: dict[str, float] = field(default_factory=dict)  # UNIX seconds at each phase start
+
+
+class RequestLifecycle(Phases):
+    def __init__(
+        self,
+        bus: Bus,
+        settings: CoordinatorSettings,
+        submit: Submit,
+        liveness: WorkerLiveness,
+        resume: ResumePoint | None = None,
+    ) -> None:
+        super().__init__(bus, settings, submit, liveness)
         self.accepted_ts = time.time()
+        self.resume = resume
+        self.committed: list[int] = list(resume.committed) if resume else []
+        self.migrations = resume.migrations if resume else 0
+        self.first: Attempt | None = None  # the first attempt of this coordinator's run (TTFT)
+        self.attempt: Attempt | None = None
+        self.decode_worker: str | None = None
         self.finished: asyncio.Future[DecodeFinished] = asyncio.get_running_loop().create_future()
-        self.holders: set[str] = set()  # workers that may hold something of this request
-        self.phase = "route"
-        self.decision: RouteDecision | None = None
+        self.handed_off = False
+        if resume:
+            self.holders |= set(resume.holders)
 
     async def run(self) -> None:
         try:
             with tracer.start_as_current_span("coordinator.request") as span:
                 span.set_attribute("pdserve.request_id", self.request_id)
-                await self._run(span)
+                await self._run()
         except asyncio.CancelledError:
-            await self.bus.emit(self.request_id, RequestAborted(reason=f"aborted during {self.phase}"))
+            if not self.handed_off:
+                await self.bus.emit(self.request_id, RequestAborted(reason=f"aborted during {self.phase}"))
             raise
         except (PhaseFailed, BusTimeout, RejectedError) as e:
             phase, reason = (e.phase, e.reason) if isinstance(e, PhaseFailed) else (self.phase, str(e))
             log.warning("request %s failed in %s: %s", self.request_id, phase, reason)
             await self.bus.emit(self.request_id, RequestFailed(phase=phase, reason=reason))
-            await self.bus.publish(self.bus.subjects.tokens(self.request_id),
-                                   TokenChunk(request_id=self.request_id, index=0, error=f"{phase}: {reason}"))
+            await self.bus.publish(
+                self.bus.subjects.tokens(self.request_id),
+                TokenChunk(request_id=self.request_id, index=0, error=f"{phase}: {reason}"),
+            )
         finally:
+            if not self.handed_off:
+                await self._release_all()
+
+    def hand_off(self) -> None:
+        """The coordinator is stopping, not the request: cancelling the run then neither aborts nor
+        releases anything; the next coordinator resumes the request from the log."""
+        self.handed_off = True
+
+    async def _run(self) -> None:
+        done: DecodeFinished | None = None
+        resume = self.resume
+        if (
+            resume is not None
+            and resume.decode_worker_id
+            and not self.liveness.is_dead(resume.decode_worker_id)
+        ):
+            self.decode_worker = resume.decode_worker_id
+            try:
+                done = await self._decode(stall_s=self.settings.recovery_stall_s)
+            except WorkerLost as e:
+                await self._migrate(e)
+        elif resume is not None:
+            # Whatever the previous coordinator's attempt left on workers is freed; the run starts over.
             await self._release_all()
-
-    async def _run(self, span: trace.Span) -> None:
-        t_route = time.time()
-        decision = self.decision = await self._route()
-        t_reserve = time.time()
-        for attempt in range(1, self.settings.max_prefill_attempts + 1):
-            reservation = await self._reserve(decision)
-            t_prefill = time.time()
-            result = await self._prefill(decision, reservation)
-            t_prefilled = time.time()
+        while done is None:
             try:
-                admitted = await self._start(decision, reservation, result)
-                break
-            except RejectedError as e:
-                if e.code is not RejectCode.TRANSFER_FAILED:
-                    raise
-                log.warning("request %s: %s (attempt %d)", self.request_id, e.message, attempt)
-                await self._release(decision.prefill_worker_id, "transfer failed")
-        else:
-            raise PhaseFailed("transfer", f"KV not verified after {self.settings.max_prefill_attempts} attempts")
-        await self._release(decision.prefill_worker_id, "transferred")  # decode confirmed: prefill KV done
-        self.phase = "decode"
-        with tracer.start_as_current_span("coordinator.decode"):
-            try:
-                done = await asyncio.wait_for(asyncio.shield(self.finished), self.settings.decode_timeout_s)
-            except TimeoutError as e:
-                raise PhaseFailed("decode", f"no finish within {self.settings.decode_timeout_s} s") from e
-        received = self.submit.received_ts
-        transfer_end = max(t_prefilled, admitted.transfer_done_ts)
-        ttft = TTFTBreakdown(
-            queue_s=self.accepted_ts - received, route_s=t_reserve - t_route, reserve_s=t_prefill - t_reserve,
-            prefill_s=t_prefilled - t_prefill, exposed_transfer_s=transfer_end - t_prefilled,
-            first_token_s=max(0.0, admitted.first_token_ts - transfer_end),
-            ttft_s=admitted.first_token_ts - received,
+                done = await self._run_once()
+            except WorkerLost as e:
+                await self._migrate(e)
+        await self.complete(
+            done, self.first.admitted if self.first else None, self.first.timings if self.first else {}
         )
-        for name, value in ttft.model_dump().items():
-            span.set_attribute(f"pdserve.ttft.{name}" if name != "ttft_s" else "pdserve.ttft_s", value)
-        await self.bus.emit(self.request_id, RequestCompleted(
-            finish_reason=done.finish_reason, prompt_tokens=len(self.submit.prompt_token_ids),
-            completion_tokens=done.num_output_tokens, ttft=ttft, e2e_s=done.last_token_ts - received))
 
-    async def _route(self) -> RouteDecision:
-        self.phase = "route"
-        t0 = time.perf_counter()
-        with tracer.start_as_current_span("coordinator.route"):
-            decision = await self.bus.request(
-                self.bus.subjects.route,
-                RouteRequest(request_id=self.request_id, num_prompt_tokens=len(self.submit.prompt_token_ids)),
-                RouteDecision, self.settings.route_timeout_s)
-        await self.bus.emit(self.request_id, RequestRouted(
-            mode=decision.mode, prefill_worker_id=decision.prefill_worker_id,
-            decode_worker_id=decision.decode_worker_id, candidates=list(decision.candidates),
-            predicted_cached_tokens=decision.predicted_cached_tokens,
-            best_cached_tokens=decision.best_cached_tokens, route_s=time.perf_counter() - t0))
-        return decision
+    async def _run_once(self) -> DecodeFinished:
+        """One placement: route → reserve → prefill → start → decode, from the committed tokens on."""
+        start_index = len(self.committed)
+        if start_index >= self.submit.sampling.max_tokens:
+            return await self._already_done(start_index)
+        prompt = (*self.submit.prompt_token_ids, *self.committed)
+        timings = {"route": time.time()}
+        decision = await self.route(prompt)
+        attempt = self.attempt = Attempt(decision, timings=timings)
+        self.decode_worker = decision.decode_worker_id
+        if self.first is None:
+            self.first = attempt
+        attempt.admitted = await self.place(attempt.decision, prompt, start_index, timings)
+        return await self._decode()
 
-    async def _reserve(self, decision: RouteDecision) -> Reservation:
-        """Reserve decode KV; while the decode worker is full, wait (bounded by `admission_wait_s`)."""
-        self.phase = "reserve"
-        worker = decision.decode_worker_id
-        req = ReserveRequest(request_id=self.request_id, transfer_id=new_id(),
-                             num_prompt_tokens=len(self.submit.prompt_token_ids),
-                             max_tokens=self.submit.sampling.max_tokens, lease_s=self.settings.prefill_timeout_s)
-        deadline = time.monotonic() + self.settings.admission_wait_s
-        delay, deferred = 0.02, False
-        t0 = time.perf_counter()
-        with tracer.start_as_current_span("coordinator.reserve"):
-            while True:
-                self.holders.add(worker)
+    async def _decode(self, stall_s: float | None = None) -> DecodeFinished:
+        """Wait for the decode worker's `DecodeFinished`; `WorkerLost` when it dies first (or, with
+        `stall_s`, when it streams nothing for that long)."""
+        assert self.decode_worker is not None
+        self.phase = "decode"
+        self.watched = {self.decode_worker}
+        with tracer.start_as_current_span("coordinator.decode"):
+            wait = self._wait_finished() if stall_s is None else self._wait_finished_or_stall(stall_s)
+            return await self.watch(wait)
+
+    async def _wait_finished(self) -> DecodeFinished:
+        try:
+            return await asyncio.wait_for(asyncio.shield(self.finished), self.settings.decode_timeout_s)
+        except TimeoutError as e:
+            raise PhaseFailed("decode", f"no finish within {self.settings.decode_timeout_s} s") from e
+
+    async def _wait_finished_or_stall(self, stall_s: float) -> DecodeFinished:
+        last = [time.monotonic()]
+
+        async def on_chunk(_: TokenChunk) -> None:
+            last[0] = time.monotonic()
+
+        sub = await self.bus.subscribe(self.bus.subjects.tokens(self.request_id), TokenChunk, on_chunk)
+        deadline = time.monotonic() + self.settings.decode_timeout_s
+        try:
+            while time.monotonic() < deadline:
                 try:
-                    reservation = await self.bus.request(self.bus.subjects.worker(worker, "reserve"), req,
-                                                         Reservation, self.settings.reserve_timeout_s)
-                    break
-                except RejectedError as e:
-                    if e.code is not RejectCode.CAPACITY:
-                        raise
-                    if not deferred:
-                        deferred = True
-                        await self.bus.emit(self.request_id, AdmissionDeferred(decode_worker_id=worker,
-                                                                               reason=e.message))
-                    if time.monotonic() + delay > deadline:
-                        raise PhaseFailed("admission", f"decode {worker} full for "
-                                          f"{self.settings.admission_wait_s} s") from e
-                    await asyncio.sleep(delay)
-                    delay = min(delay * 2, 0.5)
-        await self.bus.emit(self.request_id, DecodeReserved(
-            decode_worker_id=worker, transfer_id=reservation.transfer_id, num_tokens=reservation.num_tokens,
-            reserve_s=time.perf_counter() - t0))
-        return reservation
+                    return await asyncio.wait_for(asyncio.shield(self.finished), 0.25)
+                except TimeoutError:
+                    if time.monotonic() - last[0] > stall_s:
+                        raise WorkerLost(
+                            self.decode_worker or "",
+                            "decode",
+                            f"nothing streamed for {stall_s} s after recovery",
+                        ) from None
+            raise PhaseFailed("decode", f"no finish within {self.settings.decode_timeout_s} s")
+        finally:
+            await sub.unsubscribe()
 
-    async def _prefill(self, decision: RouteDecision, reservation: Reservation) -> PrefillResult:
-        self.phase = "prefill"
-        worker = decision.prefill_worker_id
-        self.holders.add(worker)
-        with tracer.start_as_current_span("coordinator.prefill"):
-            return await self.bus.request(
-                self.bus.subjects.worker(worker, "prefill"),
-                PrefillRequest(request_id=self.request_id, transfer_id=reservation.transfer_id,
-                               prompt_token_ids=self.submit.prompt_token_ids, sampling=self.submit.sampling,
-                               decode_worker_id=decision.decode_worker_id, endpoint=reservation.endpoint),
-                PrefillResult, self.settings.prefill_timeout_s)
+    async def _already_done(self, num_tokens: int) -> DecodeFinished:
+        """Every token was committed before the worker (or coordinator) died: the request is complete;
+        the gateway is told the stream's end in case the finishing chunk was lost."""
+        await self.bus.publish(
+            self.bus.subjects.tokens(self.request_id),
+            TokenChunk(request_id=self.request_id, index=num_tokens, finish_reason=FinishReason.LENGTH),
+        )
+        now = time.time()
+        return DecodeFinished(
+            request_id=self.request_id,
+            worker_id=self.decode_worker or "",
+            finish_reason=FinishReason.LENGTH,
+            num_output_tokens=num_tokens,
+            first_token_ts=now,
+            last_token_ts=now,
+        )
 
-    async def _start(self, decision: RouteDecision, reservation: Reservation,
-                     result: PrefillResult) -> DecodeAdmitted:
-        self.phase = "transfer"
-        with tracer.start_as_current_span("coordinator.start_decode"):
-            return await self.bus.request(
-                self.bus.subjects.worker(decision.decode_worker_id, "start"),
-                StartDecode(request_id=self.request_id, transfer_id=reservation.transfer_id,
-                            first_token_id=result.first_token_id, prompt_token_ids=self.submit.prompt_token_ids,
-                            sampling=self.submit.sampling),
-                DecodeAdmitted, self.settings.prefill_timeout_s)
+    async def _migrate(self, lost: WorkerLost) -> None:
+        """Abandon the placement that lost a worker; raise `PhaseFailed` past the migration limit."""
+        log.warning("request %s lost %s in %s: %s", self.request_id, lost.worker_id, lost.phase, lost.reason)
+        self.migrations += 1
+        if self.migrations > self.settings.max_migrations:
+            raise PhaseFailed(
+                lost.phase,
+                f"worker {lost.worker_id} lost ({lost.reason}); "
+                f"{self.settings.max_migrations} migrations allowed",
+            )
+        await self._release_all()  # a silent-but-alive worker stops; a dead one costs one no-responders
+        self.holders.clear()
+        try:
+            journal = await read_committed(self.bus, self.request_id)
+        except Exception as e:  # NATS restarting: regenerate from what is known (more work, same tokens)
+            log.warning(
+                "journal of %s unreadable (%s); resuming from %d tokens",
+                self.request_id,
+                e,
+                len(self.committed),
+            )
+            journal = []
+        if len(journal) > len(self.committed):
+            self.committed = journal
+        if not self.finished.done():
+            self.finished.cancel()
+        self.finished = asyncio.get_running_loop().create_future()
+        await self.bus.emit(
+            self.request_id,
+            RequestMigrated(
+                from_worker_id=lost.worker_id,
+                phase=lost.phase,
+                reason=lost.reason,
+                num_committed_tokens=len(self.committed),
+                attempt=self.migrations,
+            ),
+        )
+
+    def on_finished(self, msg: DecodeFinished) -> None:
+        """A decode worker reports the end; only the current placement's worker counts (an abandoned one
+        may still report)."""
+        if msg.worker_id == self.decode_worker and not self.finished.done():
+            self.finished.set_result(msg)
 
     async def finish_early(self, finish_reason: FinishReason, reason: str) -> bool:
         """The gateway ended a decoding request as finished (a stop string): the decode worker commits
         its tokens and reports `DecodeFinished`, so the request completes. False if not decoding."""
-        if self.phase != "decode" or self.decision is None:
+        if self.phase != "decode" or self.decode_worker is None:
             return False
-        await self._release(self.decision.decode_worker_id, reason, finish_reason)
+        await self._release(self.decode_worker, reason, finish_reason)
         return True
-
-    async def _release(self, worker: str, reason: str, finish_reason: FinishReason | None = None) -> None:
-        try:
-            await self.bus.request(self.bus.subjects.worker(worker, "release"),
-                                   Release(request_id=self.request_id, reason=reason, finish_reason=finish_reason),
-                                   Ack, timeout_s=2.0)
-            self.holders.discard(worker)
-        except (BusTimeout, RejectedError) as e:
-            log.warning("release of %s on %s failed: %s", self.request_id, worker, e)
-
-    async def _release_all(self) -> None:
-        await asyncio.gather(*(self._release(w, "finished") for w in list(self.holders)))
