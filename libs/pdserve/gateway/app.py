@@ -1,7 +1,8 @@
 """The gateway's FastAPI app: the OpenAI-compatible HTTP edge of pdserve (DESIGN §2, step 1).
 
 Routes: POST /v1/completions, POST /v1/chat/completions (stream or not), GET /v1/models[/{model}],
-GET /v1/requests/{request_id} (a request's lifecycle from the event store), GET /health, GET /metrics.
+GET /v1/requests/{request_id} (a request's lifecycle from the event store), GET
+/v1/requests/{request_id}/stream (resume an SSE stream after `Last-Event-ID`), GET /health, GET /metrics.
 Build it with `create_app(bus, tokenizer, settings, engine)`; the service (`pdserve.services.gateway`)
 serves it with uvicorn.
 """
@@ -37,6 +38,7 @@ from pdserve.gateway.observe import RequestObserver
 from pdserve.gateway.prompt import PreparedRequest, Tokenizer, check_model, prepare_chat, prepare_completion
 from pdserve.gateway.protocol import ChatCompletionRequest, CompletionRequest
 from pdserve.gateway.responses import ChatFormatter, CompletionFormatter, Formatter
+from pdserve.gateway.resume import ResumedGeneration
 from pdserve.gateway.streaming import CLIENT_CLOSED_REQUEST, GenerationStream, collect, event_stream
 from pdserve.ids import new_id
 from pdserve.store import queries
@@ -97,6 +99,10 @@ def create_app(bus: Bus, tokenizer: Tokenizer, settings: GatewaySettings,
     async def request_lifecycle(request_id: str) -> dict[str, Any]:
         return await read_lifecycle(app.state.gateway, request_id)
 
+    @app.get("/v1/requests/{request_id}/stream")
+    async def resume_stream(request_id: str, request: Request) -> Response:
+        return await resume(request, request_id)
+
     @app.get("/health")
     async def health() -> dict[str, str]:
         if not app.state.gateway.bus.nc.is_connected:
@@ -133,7 +139,8 @@ async def generate(request: Request, endpoint: Endpoint) -> Response:
     gen = Generation(state.bus, state.tokenizer, request_id=request_id, model=model, endpoint=endpoint.path,
                      prepared=prepared, stream=req.stream, received_ts=received_ts,
                      timeout_s=state.settings.request_timeout_s,
-                     gap_timeout_s=state.settings.token_gap_timeout_s)
+                     gap_timeout_s=state.settings.token_gap_timeout_s,
+                     cache_salt=getattr(req, "cache_salt", None), include_usage=req.include_usage)
     try:
         with observer.current():
             await gen.start()
@@ -157,6 +164,32 @@ async def generate(request: Request, endpoint: Endpoint) -> Response:
     except ClientDisconnected:
         return Response(status_code=CLIENT_CLOSED_REQUEST, headers=headers)
     return JSONResponse(body.model_dump(mode="json"), headers=headers)
+
+
+class _Unobserved:
+    """A resumed stream is not a new request: no span, no request metrics."""
+
+    def finish(self, **_: Any) -> None:
+        return None
+
+
+async def resume(request: Request, request_id: str) -> Response:
+    """The SSE stream of `request_id` from after output token `Last-Event-ID` (header, or the
+    `last_event_id` query parameter; 0 = from the start). 400 on a malformed id, 404 for an unknown or
+    unresumable request (see `pdserve.gateway.resume`)."""
+    state: GatewayState = request.app.state.gateway
+    raw = request.headers.get("last-event-id") or request.query_params.get("last_event_id") or "0"
+    if not raw.isdigit():
+        raise invalid_request(f"Last-Event-ID must be a token count, got {raw!r}.", param="Last-Event-ID")
+    last = int(raw)
+    gen = await ResumedGeneration.open(state.bus, state.tokenizer, state.engine, request_id, last,
+                                       timeout_s=state.settings.request_timeout_s,
+                                       gap_timeout_s=state.settings.token_gap_timeout_s)
+    endpoint = CHAT if gen.received.endpoint == CHAT.path else COMPLETIONS
+    fmt = endpoint.formatter(request_id, gen.model, gen.include_usage)
+    observer: Any = _Unobserved()
+    return GenerationStream(event_stream(gen, fmt, observer, request, opening=last == 0), gen, observer,
+                            headers={REQUEST_ID_HEADER: request_id, "Cache-Control": "no-cache"})
 
 
 async def parse(request: Request, endpoint: Endpoint) -> CompletionRequest | ChatCompletionRequest:

@@ -59,7 +59,7 @@ class Generation:
 
     def __init__(self, bus: Bus, tokenizer: Tokenizer, *, request_id: str, model: str, endpoint: str,
                  prepared: PreparedRequest, stream: bool, received_ts: float, timeout_s: float,
-                 gap_timeout_s: float) -> None:
+                 gap_timeout_s: float, cache_salt: str | None = None, include_usage: bool = False) -> None:
         self.bus = bus
         self.request_id = request_id
         self.model = model
@@ -67,6 +67,8 @@ class Generation:
         self.prepared = prepared
         self.stream = stream
         self.received_ts = received_ts
+        self.cache_salt = cache_salt
+        self.include_usage = include_usage
         self.deadline = time.monotonic() + timeout_s
         self.gap_timeout_s = gap_timeout_s
         self.num_output_tokens = 0
@@ -77,6 +79,7 @@ class Generation:
         self._sub = None
         self._trace_context = otel_context.get_current()
         self.ended = False  # the workers are done with it: finished, failed, or aborted by us
+        self.resume_from = 0  # output tokens whose text the client already has (a resumed stream)
 
     @property
     def num_prompt_tokens(self) -> int:
@@ -87,12 +90,16 @@ class Generation:
         self._trace_context = otel_context.get_current()
         subjects = self.bus.subjects
         self._sub = await self.bus.subscribe(subjects.tokens(self.request_id), TokenChunk, self._queue.put)
-        await self.bus.emit(self.request_id, RequestReceived(
+        # Stored before the Submit: the request's first event in the stream, and what recovery resumes from.
+        await self.bus.emit_stored(self.request_id, RequestReceived(
             model=self.model, endpoint=self.endpoint, num_prompt_tokens=self.num_prompt_tokens,
-            max_tokens=self.prepared.sampling.max_tokens, stream=self.stream))
+            max_tokens=self.prepared.sampling.max_tokens, stream=self.stream,
+            prompt_token_ids=list(self.prepared.prompt_token_ids), sampling=self.prepared.sampling,
+            cache_salt=self.cache_salt, stop=list(self.prepared.stop), include_usage=self.include_usage,
+            received_ts=self.received_ts))
         submit = Submit(request_id=self.request_id, model=self.model,
                         prompt_token_ids=self.prepared.prompt_token_ids, sampling=self.prepared.sampling,
-                        received_ts=self.received_ts)
+                        cache_salt=self.cache_salt, received_ts=self.received_ts)
         try:
             await self.bus.request(subjects.submit, submit, Accepted, timeout_s=self._remaining_s())
         except RejectedError as e:
@@ -119,6 +126,8 @@ class Generation:
             for token_id in ready.token_ids:  # one at a time, so the usage counts stop at a stop string
                 self.num_output_tokens += 1
                 match = stops.feed(detokenizer.add([token_id]))
+                if self.num_output_tokens <= self.resume_from:
+                    continue  # a resumed stream: the client has this text already
                 text.append(match.text)
                 if match.stopped:
                     self.finish_reason = FinishReason.STOP

@@ -30,13 +30,14 @@ SSE_DONE = "data: [DONE]\n\n"
 CLIENT_CLOSED_REQUEST = 499  # nginx's status for a client that left before the answer
 
 
-def sse(body: BaseModel | dict[str, Any]) -> str:
-    """One SSE event carrying `body` as JSON. Chunk models are dumped with `exclude_unset`."""
+def sse(body: BaseModel | dict[str, Any], event_id: int | None = None) -> str:
+    """One SSE event carrying `body` as JSON, with `id: <event_id>` when given. Chunk models are dumped
+    with `exclude_unset`."""
     if isinstance(body, BaseModel):
         data = body.model_dump_json(exclude_unset=True)
     else:
         data = json.dumps(body, ensure_ascii=False, separators=(",", ":"))
-    return f"data: {data}\n\n"
+    return f"data: {data}\n\n" if event_id is None else f"id: {event_id}\ndata: {data}\n\n"
 
 
 async def watch_disconnect(request: Request, gen: Generation) -> None:
@@ -49,21 +50,25 @@ async def watch_disconnect(request: Request, gen: Generation) -> None:
 
 
 async def event_stream(gen: Generation, fmt: Formatter, observer: RequestObserver,
-                       request: Request) -> AsyncIterator[str]:
-    """The SSE body of a streamed request whose `gen` has been started."""
+                       request: Request, opening: bool = True) -> AsyncIterator[str]:
+    """The SSE body of a streamed request whose `gen` has been started. Every chunk's `id:` is the number
+    of output tokens its text covers, so `GET /v1/requests/{id}/stream` with that `Last-Event-ID` goes on
+    right after it. `opening=False` (a resumed stream) leaves out the opening chunks."""
     watcher = asyncio.ensure_future(watch_disconnect(request, gen))
     status: int | None = None
     error: str | None = None
     try:
-        for chunk in fmt.opening_chunks():
-            yield sse(chunk)
+        if opening:
+            for chunk in fmt.opening_chunks():
+                yield sse(chunk, 0)
         async for delta in gen.deltas():
             if delta.text:
-                yield sse(fmt.text_chunk(delta.text))
+                yield sse(fmt.text_chunk(delta.text), delta.num_output_tokens)
             if delta.finish_reason is not None:
-                yield sse(fmt.text_chunk("", delta.finish_reason.value))
+                yield sse(fmt.text_chunk("", delta.finish_reason.value), delta.num_output_tokens)
         if fmt.include_usage:
-            yield sse(fmt.usage_chunk(Usage.of(gen.num_prompt_tokens, gen.num_output_tokens)))
+            yield sse(fmt.usage_chunk(Usage.of(gen.num_prompt_tokens, gen.num_output_tokens)),
+                      gen.num_output_tokens)
         yield SSE_DONE
     except APIError as e:
         status, error = e.status, e.message
