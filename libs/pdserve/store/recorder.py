@@ -41,7 +41,9 @@ log = logging.getLogger(__name__)
 
 DURABLE = "pdserve-recorder"
 CONSUMER_CHECK_S = 5.0  # idle this long → make sure the consumer still exists
-ACK_WAIT_S = 30.0  # a recorder killed mid-batch delays that batch's redelivery by this much
+# A recorder killed mid-batch delays that batch's redelivery by this much; a batch waiting out a Postgres
+# outage is kept from redelivery by `in_progress` at every retry instead.
+ACK_WAIT_S = 10.0
 BACKOFF_S = (0.1, 5.0)  # first and longest wait between attempts to commit a batch
 
 # pdserve:events_recorder_lag_seconds lives with every other metric name; the recorder sets it to the age
@@ -147,6 +149,8 @@ class Recorder:
                 RECORDER_LAG.set(_age_s(msgs[0]))
                 log.warning("cannot commit %d events (%s: %s); retrying in %.1f s",
                             len(msgs), type(e).__name__, e, delay)
+                for msg in msgs:  # still ours: no redelivery while Postgres is waited out
+                    await _settle(msg.in_progress)
                 if await _sleep_unless(stop, delay):
                     for msg in msgs:  # stopping: hand the batch back for immediate redelivery
                         await _settle(msg.nak)
