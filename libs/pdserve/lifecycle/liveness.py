@@ -25,6 +25,7 @@ class WorkerLiveness:
         self.timeout_s = timeout_s
         self.poll_s = poll_s
         self._last_seen: dict[str, float] = {}  # time.monotonic() seconds
+        self._suspected: dict[str, float] = {}  # when a command found nobody serving the worker
         self._since = time.monotonic()
         self._sub = None
 
@@ -44,7 +45,15 @@ class WorkerLiveness:
         """Seconds since `worker_id` was last heard from (or since watching began)."""
         return time.monotonic() - self._last_seen.get(worker_id, self._since)
 
+    def suspect(self, worker_id: str) -> None:
+        """A command to `worker_id` found no responder (its process is gone): dead until it beats again,
+        without waiting out the timeout, so routing does not pick it meanwhile."""
+        self._suspected[worker_id] = time.monotonic()
+
     def is_dead(self, worker_id: str) -> bool:
+        suspected = self._suspected.get(worker_id)
+        if suspected is not None and self._last_seen.get(worker_id, self._since) <= suspected:
+            return True
         return self.silent_s(worker_id) > self.timeout_s
 
     async def first_lost(self, watched: Callable[[], set[str]]) -> str:

@@ -14,6 +14,7 @@ import time
 from collections.abc import Awaitable
 from typing import TypeVar
 
+from nats.errors import NoRespondersError
 from opentelemetry import trace
 
 from pdserve.bus import Bus, BusTimeout, RejectedError
@@ -96,6 +97,8 @@ class Phases:
         try:
             return await self.watch(coro)
         except BusTimeout as e:
+            if isinstance(e.__cause__, NoRespondersError):  # nobody subscribed: the process is gone
+                self.liveness.suspect(worker)
             raise WorkerLost(worker, self.phase, str(e)) from e
 
     # ------------------------------------------------------------ route
