@@ -18,20 +18,21 @@ from pdserve.bench.client import send_completion
 from pdserve.bench.datasets import SampleRequest
 from pdserve.bench.metrics import RequestRecord
 
-# A benchmark request may wait behind a long queue; vLLM's client allows 6 h.
-_TIMEOUT = httpx.Timeout(connect=30.0, read=3600.0, write=60.0, pool=3600.0)
-
 
 @dataclass(frozen=True)
 class LoadSpec:
     """How to send: `request_rate` req/s (inf = all at once), gamma `burstiness` (1 = Poisson),
-    `max_concurrency` requests in flight at most (None = unbounded), `seed` for the arrival process."""
+    `max_concurrency` requests in flight at most (None = unbounded), `seed` for the arrival process,
+    `read_timeout_s` seconds of silence after which a request fails."""
 
     request_rate: float = float("inf")
     burstiness: float = 1.0
     max_concurrency: int | None = None
     seed: int = 0
     ignore_eos: bool = True
+    # The longest silence between two chunks before a request counts as failed. A benchmark request may
+    # wait behind a long queue (vLLM's client allows 6 h in all); a sweep sets less so a stall ends it.
+    read_timeout_s: float = 3600.0
 
 
 @dataclass(frozen=True)
@@ -65,7 +66,8 @@ async def run_load(base_url: str, samples: Sequence[SampleRequest], load: LoadSp
     url = f"{base_url.rstrip('/')}/v1/completions"
     cap = load.max_concurrency
     limits = httpx.Limits(max_connections=cap, max_keepalive_connections=cap)
-    async with httpx.AsyncClient(timeout=_TIMEOUT, limits=limits) as client:
+    timeout = httpx.Timeout(connect=30.0, read=load.read_timeout_s, write=60.0, pool=None)
+    async with httpx.AsyncClient(timeout=timeout, limits=limits) as client:
         if model is None:
             model = await discover_model(client, base_url)
         bar = tqdm(total=len(samples), disable=not progress, unit="req", desc="requests")

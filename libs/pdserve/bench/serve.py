@@ -50,9 +50,11 @@ class ServeConfig:
     ignore_eos: bool = True
     model: str | None = None
     database_url: str | None = None
+    read_timeout_s: float = 3600.0
 
     def load(self) -> LoadSpec:
-        return LoadSpec(self.request_rate, self.burstiness, self.max_concurrency, self.seed, self.ignore_eos)
+        return LoadSpec(self.request_rate, self.burstiness, self.max_concurrency, self.seed, self.ignore_eos,
+                        self.read_timeout_s)
 
 
 def build_samples(cfg: ServeConfig) -> list[SampleRequest]:

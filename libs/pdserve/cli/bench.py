@@ -59,8 +59,13 @@ def serve(args: argparse.Namespace) -> int:
 
 
 def compare(args: argparse.Namespace) -> int:
-    from pdserve.bench.compare import CompareConfig, parse_ratio, run_compare
+    from pdserve.bench.compare import STEM, CompareConfig, load_results, parse_ratio, run_compare
+    from pdserve.bench.compare_report import write_compare
 
+    if args.render:
+        for path in write_compare(load_results(Path(args.render)), Path(args.out), STEM):
+            console.print(f"wrote {path}")
+        return 0
     cfg = CompareConfig(
         model=args.model, modes=args.modes, ratios=[parse_ratio(r) for r in args.ratios], rates=args.rates,
         num_prompts=args.num_prompts, tokens_per_request=args.tokens_per_request, burstiness=args.burstiness,
@@ -125,4 +130,5 @@ def add_parsers(sub: argparse._SubParsersAction) -> None:
     p.add_argument("--var-dir", help="state and logs of the stacks (default var/bench-compare)")
     p.add_argument("--no-pin", action="store_true", help="do not pin each worker pool to its own core")
     p.add_argument("--out", default="docs/benchmarks", help="folder for colocated-vs-disaggregated.*")
+    p.add_argument("--render", metavar="JSON", help="only re-render the Markdown and PNG of a results JSON")
     p.set_defaults(func=compare)
