@@ -175,3 +175,19 @@ def test_a_reserved_sequence_filled_from_elsewhere_decodes_like_one_prefilled_he
     assert seq.output_token_ids == expected(0, 37)
     assert decode.block_manager.num_free_blocks == 8
     assert seq.status.value == "finished" and out.finish_reason is None
+
+
+def test_a_locally_prefilled_sequence_parks_then_decodes_once_admitted(model, tokens, expected):
+    """The unified role: reserve, prefill in the reserved blocks, park, admit the first token, decode."""
+    engine = engine_of(model, num_blocks=8)
+    seq = Sequence("u", tokens[:33])
+    engine.reserve(seq, GREEDY.max_tokens)
+    seq.set_sampling(GREEDY)
+    engine.prefill_held(seq)
+    (out,) = engine.step()
+    assert out.prefill_done and seq.status.value == "parked" and not engine.has_work
+    assert engine.admit(seq, out.sampled_token_id) is None
+    while engine.has_work:
+        engine.step()
+    assert seq.output_token_ids == expected(0, 33)
+    assert engine.block_manager.num_free_blocks == 8

@@ -103,6 +103,7 @@ class LLMEngine:
     def admit(self, seq: Sequence, first_token_id: int) -> FinishReason | None:
         """Append the prompt's sampled first token to a sequence whose prompt KV is complete (reserved and
         received, or parked) and start decoding it; returns the finish reason if that token ends it."""
+        seq.stop_after_prefill = False
         reason = self._append(seq, first_token_id)
         if reason is None:
             self.scheduler.add_running(seq)
