@@ -1,0 +1,178 @@
+"""Engine throughput on SmolLM2-135M (fp32, CPU) beside HF transformers and the machine's roofline.
+
+    python benchmarks/engine.py [--out docs/benchmarks] [--concurrency 1 8 32] [--prefill 128 512 2048]
+
+Measured in one process, one torch thread (as a worker runs), each number the best of `--reps` runs:
+- decode: C requests (64-token prompts, 32 output tokens, greedy, EOS ignored) submitted at once to the
+  engine; aggregate output tokens/s = C * 32 / wall time (prefill included). HF: `generate` on the same
+  C prompts as one left-padded batch, `min_new_tokens = max_new_tokens = 32`, greedy.
+- prefill: one prompt of N tokens; the engine's single step (unchunked) vs one HF forward.
+- roofline: GEMM FLOP/s (fp32 2048² matmul) and memory bandwidth (copy of a 256 MiB tensor) measured
+  here. A decode step must read every weight once (weights bytes / bandwidth) and do 2 FLOP per weight
+  per token (Kaplan et al. 2020, C ≈ 2N per token); the roofline is the slower of the two.
+Writes engine.json, engine.md and engine.png under `--out`.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import platform
+import time
+from pathlib import Path
+
+import torch
+
+from pdserve.config import ModelSettings
+from pdserve.engine.llm_engine import EngineConfig, LLMEngine
+from pdserve.engine.loader import load_model, smollm2_gguf_path
+from pdserve.engine.model import LlamaModel
+from pdserve.engine.sequence import Sequence
+from pdserve.messages import SamplingParams
+
+PROMPT_TOKENS, OUTPUT_TOKENS = 64, 32
+
+
+def best_of(reps: int, fn) -> float:
+    """Fastest wall time of `reps` calls, seconds."""
+    times = []
+    for _ in range(reps):
+        t0 = time.perf_counter()
+        fn()
+        times.append(time.perf_counter() - t0)
+    return min(times)
+
+
+def roofline() -> dict[str, float]:
+    a, b = torch.randn(2048, 2048), torch.randn(2048, 2048)
+    gemm_s = best_of(3, lambda: a @ b)
+    src = torch.empty(64 << 20)  # 256 MiB fp32
+    dst = torch.empty_like(src)
+    src.fill_(1.0)
+    copy_s = best_of(3, lambda: dst.copy_(src))
+    return {"gemm_flops": 2 * 2048**3 / gemm_s, "bandwidth_bytes_s": 2 * src.nbytes / copy_s}
+
+
+def prompts(vocab: int, n: int, length: int) -> list[list[int]]:
+    g = torch.Generator().manual_seed(length * 1000 + n)
+    return torch.randint(100, vocab, (n, length), generator=g).tolist()
+
+
+def engine_decode(model: LlamaModel, batch: list[list[int]]) -> None:
+    engine = LLMEngine(model, EngineConfig(num_blocks=1024, max_num_batched_tokens=2048, max_num_seqs=64))
+    sampling = SamplingParams(max_tokens=OUTPUT_TOKENS, temperature=0, ignore_eos=True)
+    for i, p in enumerate(batch):
+        engine.add_request(Sequence(f"r{i}", p, sampling))
+    while engine.has_work:
+        engine.step()
+
+
+def hf_decode(hf, batch: list[list[int]]) -> None:
+    ids = torch.tensor(batch)  # equal lengths: the padding mask is all ones, as a left-padded batch
+    with torch.no_grad():
+        hf.generate(input_ids=ids, attention_mask=torch.ones_like(ids), max_new_tokens=OUTPUT_TOKENS,
+                    min_new_tokens=OUTPUT_TOKENS, do_sample=False, pad_token_id=0)
+
+
+def engine_prefill(model: LlamaModel, prompt: list[int]) -> None:
+    engine = LLMEngine(model, EngineConfig(num_blocks=256, max_num_batched_tokens=len(prompt)))
+    engine.add_request(Sequence("p", prompt, SamplingParams(max_tokens=1, temperature=0)))
+    engine.step()
+
+
+def hf_prefill(hf, prompt: list[int]) -> None:
+    with torch.no_grad():
+        hf(torch.tensor([prompt]), use_cache=False)
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--out", type=Path, default=Path("docs/benchmarks"))
+    ap.add_argument("--concurrency", type=int, nargs="+", default=[1, 8, 32])
+    ap.add_argument("--prefill", type=int, nargs="+", default=[128, 512, 2048])
+    ap.add_argument("--reps", type=int, default=2)
+    args = ap.parse_args()
+    torch.set_num_threads(1)
+    import transformers
+
+    loaded = load_model("smollm2", ModelSettings().weights_cache_dir)
+    model = LlamaModel(loaded.config, loaded.weights)
+    path = smollm2_gguf_path()
+    hf = transformers.AutoModelForCausalLM.from_pretrained(path.parent, gguf_file=path.name,
+                                                           dtype=torch.float32).eval()
+    roof = roofline()
+    num_params = sum(w.numel() for w in loaded.weights.values())
+    weight_bytes = 4 * num_params
+    vocab = loaded.config.vocab_size
+    decode = []
+    for c in args.concurrency:
+        batch = prompts(vocab, c, PROMPT_TOKENS)
+        tokens = c * OUTPUT_TOKENS
+        e_s = best_of(args.reps, lambda b=batch: engine_decode(model, b))
+        h_s = best_of(args.reps, lambda b=batch: hf_decode(hf, b))
+        step_s = max(weight_bytes / roof["bandwidth_bytes_s"], c * 2 * num_params / roof["gemm_flops"])
+        decode.append({"concurrency": c, "engine_tok_s": tokens / e_s, "hf_tok_s": tokens / h_s,
+                       "ratio": h_s / e_s, "roofline_tok_s": c / step_s})
+        print(decode[-1], flush=True)
+    prefill = []
+    for n in args.prefill:
+        (prompt,) = prompts(vocab, 1, n)
+        e_s = best_of(args.reps, lambda p=prompt: engine_prefill(model, p))
+        h_s = best_of(args.reps, lambda p=prompt: hf_prefill(hf, p))
+        prefill.append({"prompt_tokens": n, "engine_tok_s": n / e_s, "hf_tok_s": n / h_s, "ratio": h_s / e_s,
+                        "roofline_tok_s": roof["gemm_flops"] / (2 * num_params)})
+        print(prefill[-1], flush=True)
+    result = {"generated": time.strftime("%Y-%m-%d %H:%M"), "machine": f"{platform.machine()}, "
+              f"{torch.get_num_threads()} torch thread", "model": loaded.name, "num_params": num_params,
+              "roofline": roof, "decode": decode, "prefill": prefill,
+              "prompt_tokens": PROMPT_TOKENS, "output_tokens": OUTPUT_TOKENS, "reps": args.reps}
+    args.out.mkdir(parents=True, exist_ok=True)
+    (args.out / "engine.json").write_text(json.dumps(result, indent=2))
+    (args.out / "engine.md").write_text(markdown(result))
+    plot(result, args.out / "engine.png")
+
+
+def markdown(r: dict) -> str:
+    roof = r["roofline"]
+    lines = [
+        "# Engine throughput: SmolLM2-135M fp32 on CPU", "",
+        f"Generated by `python benchmarks/engine.py --reps {r['reps']}` on {r['generated']} ({r['machine']}). "
+        f"Best of {r['reps']} run(s); "
+        "HF transformers measured in the same process. Roofline from this machine's measured fp32 GEMM "
+        f"({roof['gemm_flops'] / 1e9:.1f} GFLOP/s) and copy bandwidth ({roof['bandwidth_bytes_s'] / 1e9:.1f} "
+        f"GB/s), {r['num_params'] / 1e6:.0f} M parameters.", "",
+        f"## Decode: aggregate output tokens/s ({r['prompt_tokens']}-token prompts, {r['output_tokens']} "
+        "output tokens each, prefill included)", "",
+        "| concurrent | engine | HF generate (padded batch) | engine / HF | roofline |", "|---|---|---|---|---|",
+        *(f"| {d['concurrency']} | {d['engine_tok_s']:.1f} | {d['hf_tok_s']:.1f} | {d['ratio']:.2f}× | "
+          f"{d['roofline_tok_s']:.0f} |" for d in r["decode"]), "",
+        "## Prefill: prompt tokens/s (one prompt, one step)", "",
+        "| prompt tokens | engine | HF forward | engine / HF | roofline |", "|---|---|---|---|---|",
+        *(f"| {p['prompt_tokens']} | {p['engine_tok_s']:.0f} | {p['hf_tok_s']:.0f} | {p['ratio']:.2f}× | "
+          f"{p['roofline_tok_s']:.0f} |" for p in r["prefill"]), "",
+        "The machine is shared (2 cores, other jobs running): ratios measured in the same run are the "
+        "numbers to read, not the absolute rates.", "",
+    ]
+    return "\n".join(lines)
+
+
+def plot(r: dict, path: Path) -> None:
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    fig, (a, b) = plt.subplots(1, 2, figsize=(11, 4))
+    for key, label in (("engine_tok_s", "engine"), ("hf_tok_s", "HF"), ("roofline_tok_s", "roofline")):
+        a.plot([d["concurrency"] for d in r["decode"]], [d[key] for d in r["decode"]], "o-", label=label)
+        b.plot([p["prompt_tokens"] for p in r["prefill"]], [p[key] for p in r["prefill"]], "o-", label=label)
+    a.set(xscale="log", yscale="log", xlabel="concurrent requests", ylabel="output tokens/s", title="decode")
+    b.set(xscale="log", xlabel="prompt tokens", ylabel="prompt tokens/s", title="prefill")
+    a.legend()
+    b.legend()
+    fig.tight_layout()
+    fig.savefig(path, dpi=100)
+
+
+if __name__ == "__main__":
+    main()
