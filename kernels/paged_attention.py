@@ -36,8 +36,13 @@ def gather_sequence_kv(kv_layer: torch.Tensor, block_table: torch.Tensor, num_to
     return kv_layer[block_table[:num_blocks]].flatten(0, 1)[:num_tokens]
 
 
-def paged_attention(q: torch.Tensor, kv_layer: torch.Tensor, block_tables: torch.Tensor,
-                    context_lens: list[int], query_lens: list[int]) -> torch.Tensor:
+def paged_attention(
+    q: torch.Tensor,
+    kv_layer: torch.Tensor,
+    block_tables: torch.Tensor,
+    context_lens: list[int],
+    query_lens: list[int],
+) -> torch.Tensor:
     """Causal grouped-query attention of every sequence's new tokens over its paged KV.
 
     q: [num_tokens, num_heads, head_dim] fp32, the sequences' new tokens back to back (sequence i owns
@@ -65,16 +70,23 @@ def paged_attention(q: torch.Tensor, kv_layer: torch.Tensor, block_tables: torch
     for i, n in enumerate(query_lens):
         if n > 1:
             kv = gather_sequence_kv(kv_layer, block_tables[i], context_lens[i])
-            out[starts[i]:starts[i + 1]] = causal_attention(q[starts[i]:starts[i + 1]], kv[:, K_INDEX], kv[:, V_INDEX])
+            out[starts[i] : starts[i + 1]] = causal_attention(
+                q[starts[i] : starts[i + 1]], kv[:, K_INDEX], kv[:, V_INDEX]
+            )
     if decode:
         rows = torch.tensor([starts[i] for i in decode], dtype=torch.int64)
-        out[rows] = _decode_attention(q[rows], kv_layer, block_tables[decode],
-                                      torch.tensor([context_lens[i] for i in decode], dtype=torch.int64))
+        out[rows] = _decode_attention(
+            q[rows],
+            kv_layer,
+            block_tables[decode],
+            torch.tensor([context_lens[i] for i in decode], dtype=torch.int64),
+        )
     return out
 
 
-def _decode_attention(q: torch.Tensor, kv_layer: torch.Tensor, block_tables: torch.Tensor,
-                      context_lens: torch.Tensor) -> torch.Tensor:
+def _decode_attention(
+    q: torch.Tensor, kv_layer: torch.Tensor, block_tables: torch.Tensor, context_lens: torch.Tensor
+) -> torch.Tensor:
     """One query per sequence: q [batch, num_heads, head_dim]; returns the same shape."""
     batch, num_heads, head_dim = q.shape
     block_size, num_kv_heads = kv_layer.shape[1], kv_layer.shape[3]

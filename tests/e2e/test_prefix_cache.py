@@ -20,8 +20,14 @@ PROMPT_LEN = 2 * BLOCK_SIZE + 1
 
 @pytest.fixture(scope="module")
 def colocated_stack(isolated_settings, tmp_path_factory) -> Iterator[Stack]:
-    stack = Stack(isolated_settings("coloc"), tmp_path_factory.mktemp("coloc-stack"), model="tiny",
-                  mode="colocated", n_prefill=1, n_decode=0)
+    stack = Stack(
+        isolated_settings("coloc"),
+        tmp_path_factory.mktemp("coloc-stack"),
+        model="tiny",
+        mode="colocated",
+        n_prefill=1,
+        n_decode=0,
+    )
     try:
         yield stack.start()
     finally:
@@ -76,10 +82,14 @@ def test_second_identical_request_computes_and_sends_only_last_token_disaggregat
     second_id, second_text = complete(tiny_stack, ids)
     assert second_text == first_text
     first, second = lifecycle(tiny_stack, first_id), lifecycle(tiny_stack, second_id)
-    assert (first["PrefillCompleted"]["num_cached_tokens"], first["PrefillCompleted"]["num_computed_tokens"]) == (
-        0, PROMPT_LEN)
-    assert (second["PrefillCompleted"]["num_cached_tokens"],
-            second["PrefillCompleted"]["num_computed_tokens"]) == (PROMPT_LEN - 1, 1)
+    assert (
+        first["PrefillCompleted"]["num_cached_tokens"],
+        first["PrefillCompleted"]["num_computed_tokens"],
+    ) == (0, PROMPT_LEN)
+    assert (
+        second["PrefillCompleted"]["num_cached_tokens"],
+        second["PrefillCompleted"]["num_computed_tokens"],
+    ) == (PROMPT_LEN - 1, 1)
     per_token = kv_bytes_per_token(tiny_stack)
     assert first["TransferCompleted"]["kv_bytes"] == PROMPT_LEN * per_token
     # the decode worker already holds the first 32 tokens' blocks: only the last token's KV is sent

@@ -87,7 +87,7 @@ def test_free_cached_blocks_are_evicted_least_recently_freed_first_after_uncache
     bm.free(new)
     events = bm.take_events()
     assert [type(e) for e in events] == [BlockStored, BlockStored]
-    # 4 blocks: 2 cached free, 2 uncached free. Taking 3 uses both uncached, then evicts the older cache entry.
+    # 4 blocks: 2 cached free, 2 uncached free. Taking 3 uses both uncached, then evicts the older entry.
     taker = seq(list(range(50, 50 + 3 * BS)))
     bm.allocate(taker)
     (removed,) = bm.take_events()

@@ -1,6 +1,7 @@
 """LLMEngine on the seeded tiny Llama against one-sequence greedy decoding (`generate_greedy`, itself checked
 against HF transformers): every prompt length around each multiple of the block size, pools around the
-capacity a request needs, chunking, batching, preemption, prefix-cache hits and salts — with no block leaked."""
+capacity a request needs, chunking, batching, preemption, prefix-cache hits and salts — with no block
+leaked."""
 
 from __future__ import annotations
 
@@ -30,7 +31,9 @@ def model(tiny) -> LlamaModel:
 
 @pytest.fixture(scope="module")
 def tokens(tiny) -> list[int]:
-    return torch.randint(0, tiny.config.vocab_size, (200,), generator=torch.Generator().manual_seed(11)).tolist()
+    return torch.randint(
+        0, tiny.config.vocab_size, (200,), generator=torch.Generator().manual_seed(11)
+    ).tolist()
 
 
 @pytest.fixture(scope="module")
@@ -40,7 +43,7 @@ def expected(model, tokens):
     def greedy(offset: int, length: int, max_tokens: int = GREEDY.max_tokens) -> list[int]:
         key = (offset, length, max_tokens)
         if key not in cache:
-            cache[key] = generate_greedy(model, tokens[offset:offset + length], max_tokens)
+            cache[key] = generate_greedy(model, tokens[offset : offset + length], max_tokens)
         return cache[key]
 
     return greedy
@@ -57,15 +60,18 @@ def run(engine: LLMEngine, seqs: list[Sequence], max_steps: int = 10_000) -> Non
 
 
 def engine_of(model, num_blocks: int, budget: int = 512, **kw) -> LLMEngine:
-    return LLMEngine(model, EngineConfig(num_blocks=num_blocks, block_size=BS, max_num_batched_tokens=budget, **kw))
+    return LLMEngine(
+        model, EngineConfig(num_blocks=num_blocks, block_size=BS, max_num_batched_tokens=budget, **kw)
+    )
 
 
 BOUNDARY_LENGTHS = sorted({n for m in (1, 2, 3) for n in (m * BS - 1, m * BS, m * BS + 1)} | {1, 2})
 
 
 @pytest.mark.parametrize("length", BOUNDARY_LENGTHS)
-def test_prompts_around_every_block_boundary_decode_the_greedy_tokens_and_free_every_block(model, tokens,
-                                                                                            expected, length):
+def test_prompts_around_every_block_boundary_decode_the_greedy_tokens_and_free_every_block(
+    model, tokens, expected, length
+):
     engine = engine_of(model, num_blocks=8, budget=7)  # chunks cross block edges at odd places
     free0 = engine.block_manager.num_free_blocks
     s = Sequence("a", tokens[:length], GREEDY)
@@ -81,12 +87,16 @@ def test_prompts_around_every_block_boundary_decode_the_greedy_tokens_and_free_e
 
 @pytest.mark.parametrize("total_tokens", [BS * 3 - 1, BS * 3, BS * 3 + 1])
 @pytest.mark.parametrize("num_blocks", [2, 3, 4])
-def test_pools_around_a_requests_capacity_fit_exactly_or_refuse_clearly(model, tokens, expected, total_tokens,
-                                                                         num_blocks):
+def test_pools_around_a_requests_capacity_fit_exactly_or_refuse_clearly(
+    model, tokens, expected, total_tokens, num_blocks
+):
     engine = engine_of(model, num_blocks=num_blocks, budget=16)
     max_tokens = 6
-    s = Sequence("a", tokens[:total_tokens - max_tokens], SamplingParams(max_tokens=max_tokens, temperature=0,
-                                                                            ignore_eos=True))
+    s = Sequence(
+        "a",
+        tokens[: total_tokens - max_tokens],
+        SamplingParams(max_tokens=max_tokens, temperature=0, ignore_eos=True),
+    )
     if -(-total_tokens // BS) > num_blocks:
         with pytest.raises(CannotFit, match="blocks"):
             engine.add_request(s)
@@ -98,11 +108,12 @@ def test_pools_around_a_requests_capacity_fit_exactly_or_refuse_clearly(model, t
 
 
 @pytest.mark.parametrize("num_blocks, budget", [(64, 512), (64, 5), (9, 16), (6, 8)])
-def test_batches_chunks_and_preemption_give_each_sequence_its_own_greedy_tokens(model, tokens, expected,
-                                                                                  num_blocks, budget):
+def test_batches_chunks_and_preemption_give_each_sequence_its_own_greedy_tokens(
+    model, tokens, expected, num_blocks, budget
+):
     engine = engine_of(model, num_blocks=num_blocks, budget=budget)
     shapes = [(0, 17), (3, 40), (50, 1), (60, 33), (9, 16), (100, 31)]
-    seqs = [Sequence(f"r{i}", tokens[o:o + n], GREEDY) for i, (o, n) in enumerate(shapes)]
+    seqs = [Sequence(f"r{i}", tokens[o : o + n], GREEDY) for i, (o, n) in enumerate(shapes)]
     run(engine, seqs)
     for s, (o, n) in zip(seqs, shapes, strict=True):
         assert s.output_token_ids == expected(o, n), s.request_id
@@ -113,7 +124,7 @@ def test_batches_chunks_and_preemption_give_each_sequence_its_own_greedy_tokens(
 
 def test_the_same_request_twice_computes_only_its_last_prompt_token(model, tokens, expected):
     engine = engine_of(model, num_blocks=16)
-    prompt = tokens[:2 * BS + 1]
+    prompt = tokens[: 2 * BS + 1]
     run(engine, [Sequence("first", prompt, GREEDY)])
     before = engine.stats.num_prompt_tokens_computed
     second = Sequence("second", prompt, GREEDY)
@@ -125,7 +136,7 @@ def test_the_same_request_twice_computes_only_its_last_prompt_token(model, token
 
 def test_requests_with_different_cache_salts_share_no_block(model, tokens):
     engine = engine_of(model, num_blocks=16)
-    prompt = tokens[:2 * BS + 1]
+    prompt = tokens[: 2 * BS + 1]
     run(engine, [Sequence("a", prompt, GREEDY, cache_salt="tenant-a")])
     other = Sequence("b", prompt, GREEDY, cache_salt="tenant-b")
     unsalted = Sequence("c", prompt, GREEDY)
@@ -136,13 +147,18 @@ def test_requests_with_different_cache_salts_share_no_block(model, tokens):
     assert same.num_cached_tokens == 2 * BS
 
 
-def test_stop_tokens_end_a_sequence_unless_ignore_eos_and_max_tokens_counts_from_the_resume_index(model, tokens,
-                                                                                                 expected):
+def test_stop_tokens_end_a_sequence_unless_ignore_eos_and_max_tokens_counts_from_the_resume_index(
+    model, tokens, expected
+):
     # a prompt whose greedy output has a token that is new after the first one (the tiny model repeats a lot)
-    offset, k = next((o, i) for o in range(0, 150, 10) for i in range(1, 6)
-                     if expected(o, 10, 6)[i] not in expected(o, 10, 6)[:i])
+    offset, k = next(
+        (o, i)
+        for o in range(0, 150, 10)
+        for i in range(1, 6)
+        if expected(o, 10, 6)[i] not in expected(o, 10, 6)[:i]
+    )
     free = expected(offset, 10, 6)
-    prompt = tokens[offset:offset + 10]
+    prompt = tokens[offset : offset + 10]
     engine = engine_of(model, num_blocks=8)
     stop = Sequence("stop", prompt, SamplingParams(max_tokens=6, temperature=0, stop_token_ids=(free[k],)))
     resumed = Sequence("resumed", prompt, GREEDY, output_start_index=4)

@@ -19,16 +19,36 @@ pytestmark = pytest.mark.smollm2
 
 MAX_TOKENS = 32
 GREEDY = SamplingParams(max_tokens=MAX_TOKENS, temperature=0, ignore_eos=True)
-SYSTEM = ("You are a careful assistant. Answer in one short paragraph, cite no sources, and say so when "
-          "you do not know. Question: ")
+SYSTEM = (
+    "You are a careful assistant. Answer in one short paragraph, cite no sources, and say so when "
+    "you do not know. Question: "
+)
 PROMPTS = [
-    "The capital of France is", "def fibonacci(n):", "Once upon a time, in a small village,", "1, 2, 3, 4,",
-    "The quick brown fox jumps over the lazy dog. " * 4, "import numpy as np\nx = np.", "Dear Sir or Madam,",
-    "SELECT name FROM users WHERE", "The mitochondria is", "In 1492, Columbus",
-    *(SYSTEM + q for q in ("why is the sky blue?", "what is 2 + 2?", "who wrote Hamlet?",
-                           "how do vaccines work?", "what is a prime number?", "name three colours.",
-                           "what is the boiling point of water?", "explain recursion.", "what is DNA?",
-                           "translate 'hello' to Spanish.")),
+    "The capital of France is",
+    "def fibonacci(n):",
+    "Once upon a time, in a small village,",
+    "1, 2, 3, 4,",
+    "The quick brown fox jumps over the lazy dog. " * 4,
+    "import numpy as np\nx = np.",
+    "Dear Sir or Madam,",
+    "SELECT name FROM users WHERE",
+    "The mitochondria is",
+    "In 1492, Columbus",
+    *(
+        SYSTEM + q
+        for q in (
+            "why is the sky blue?",
+            "what is 2 + 2?",
+            "who wrote Hamlet?",
+            "how do vaccines work?",
+            "what is a prime number?",
+            "name three colours.",
+            "what is the boiling point of water?",
+            "explain recursion.",
+            "what is DNA?",
+            "translate 'hello' to Spanish.",
+        )
+    ),
 ]
 
 
@@ -57,8 +77,9 @@ def prompt_ids(smollm2) -> list[list[int]]:
 @pytest.fixture(scope="module")
 def hf() -> torch.nn.Module:
     path = smollm2_gguf_path()
-    return transformers.AutoModelForCausalLM.from_pretrained(path.parent, gguf_file=path.name,
-                                                             dtype=torch.float32).eval()
+    return transformers.AutoModelForCausalLM.from_pretrained(
+        path.parent, gguf_file=path.name, dtype=torch.float32
+    ).eval()
 
 
 def hf_agrees(hf: torch.nn.Module, prompt: list[int], output: list[int]) -> bool:
@@ -66,7 +87,7 @@ def hf_agrees(hf: torch.nn.Module, prompt: list[int], output: list[int]) -> bool
     at every position HF's argmax is the next output token. By induction this is exactly HF's greedy
     decode, at the cost of one forward instead of 32 (HF's token-by-token loop takes minutes here)."""
     with torch.no_grad():
-        logits = hf(torch.tensor([prompt + output[:-1]])).logits[0, len(prompt) - 1:]
+        logits = hf(torch.tensor([prompt + output[:-1]])).logits[0, len(prompt) - 1 :]
     return logits.argmax(-1).tolist() == output
 
 
@@ -92,7 +113,8 @@ def generate(engine: LLMEngine, prompts: list[list[int]], tag: str) -> list[Sequ
 
 
 def test_engine_greedy_equals_hf_batched_and_one_at_a_time_chunked_and_not_with_and_without_cache_hits(
-        smollm2, prompt_ids, hf_tokens):
+    smollm2, prompt_ids, hf_tokens
+):
     model = LlamaModel(smollm2.config, smollm2.weights)
 
     def engine(budget: int) -> LLMEngine:

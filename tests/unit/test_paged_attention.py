@@ -36,14 +36,17 @@ def scattered_tables(context_lens: list[int], generator: torch.Generator) -> lis
     return tables
 
 
-@pytest.mark.parametrize("query_lens, context_lens", [
-    ([1], [1]),
-    ([1, 1, 1], [4, 5, 17]),
-    ([7], [7]),
-    ([3, 1, 9, 1], [11, 8, 9, 33]),
-    ([4, 4], [4, 8]),
-    ([1, 16, 1], [16, 16, 3]),
-])
+@pytest.mark.parametrize(
+    "query_lens, context_lens",
+    [
+        ([1], [1]),
+        ([1, 1, 1], [4, 5, 17]),
+        ([7], [7]),
+        ([3, 1, 9, 1], [11, 8, 9, 33]),
+        ([4, 4], [4, 8]),
+        ([1, 16, 1], [16, 16, 3]),
+    ],
+)
 def test_paged_attention_of_a_mixed_batch_equals_plain_attention_per_sequence(query_lens, context_lens):
     g = torch.Generator().manual_seed(sum(context_lens))
     kv_layer = torch.zeros(NUM_BLOCKS, BLOCK_SIZE, 2, NUM_KV_HEADS, HEAD_DIM)
@@ -55,13 +58,15 @@ def test_paged_attention_of_a_mixed_batch_equals_plain_attention_per_sequence(qu
     q = torch.randn(sum(query_lens), NUM_HEADS, HEAD_DIM, generator=g)
     block_tables = torch.zeros(len(tables), max(map(len, tables)), dtype=torch.int64)
     for i, t in enumerate(tables):
-        block_tables[i, :len(t)] = torch.tensor(t)
+        block_tables[i, : len(t)] = torch.tensor(t)
     out = paged_attention(q, kv_layer, block_tables, context_lens, query_lens)
     start = 0
     for n, k, v in zip(query_lens, keys, values, strict=True):
-        expected = plain_attention(q[start:start + n], k, v)
-        torch.testing.assert_close(out[start:start + n], expected, atol=1e-5, rtol=1e-5)
-        torch.testing.assert_close(causal_attention(q[start:start + n], k, v), expected, atol=1e-5, rtol=1e-5)
+        expected = plain_attention(q[start : start + n], k, v)
+        torch.testing.assert_close(out[start : start + n], expected, atol=1e-5, rtol=1e-5)
+        torch.testing.assert_close(
+            causal_attention(q[start : start + n], k, v), expected, atol=1e-5, rtol=1e-5
+        )
         start += n
 
 
@@ -84,8 +89,12 @@ def test_pack_then_unpack_moves_token_rows_between_differently_placed_blocks():
         packed = pack_kv(src, token_slots(src_table, start, end, BLOCK_SIZE))
         assert packed.is_contiguous() and packed.shape == (end - start, 2, NUM_KV_HEADS, HEAD_DIM)
         unpack_kv(dst, token_slots(dst_table, start, end, BLOCK_SIZE), packed)
-        torch.testing.assert_close(gather_sequence_kv(dst, torch.tensor(dst_table), end)[start:end],
-                                   gather_sequence_kv(src, torch.tensor(src_table), end)[start:end], atol=0, rtol=0)
+        torch.testing.assert_close(
+            gather_sequence_kv(dst, torch.tensor(dst_table), end)[start:end],
+            gather_sequence_kv(src, torch.tensor(src_table), end)[start:end],
+            atol=0,
+            rtol=0,
+        )
 
 
 def test_token_slots_name_block_and_offset_and_refuse_a_short_block_table():

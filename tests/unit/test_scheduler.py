@@ -18,8 +18,11 @@ def make(num_blocks: int, budget: int, max_seqs: int = 8, max_len: int = 1000) -
 
 
 def request(name: str, n: int, max_tokens: int = 4) -> Sequence:
-    return Sequence(name, list(range(1000 + 7 * len(name), 1000 + 7 * len(name) + n)),
-                    SamplingParams(max_tokens=max_tokens))
+    return Sequence(
+        name,
+        list(range(1000 + 7 * len(name), 1000 + 7 * len(name) + n)),
+        SamplingParams(max_tokens=max_tokens),
+    )
 
 
 def advance(sched: Scheduler) -> list[tuple[str, int]]:
@@ -66,7 +69,9 @@ def test_when_blocks_run_out_the_newest_running_sequence_is_preempted_and_recomp
         advance(sched)
     # a needs a third block: none free; bb (newest) is preempted, its blocks freed, queued first
     out = sched.schedule()
-    assert [s.request_id for s in out.preempted] == ["bb"] and [s.request_id for s, _ in out.scheduled] == ["a"]
+    assert [s.request_id for s in out.preempted] == ["bb"] and [s.request_id for s, _ in out.scheduled] == [
+        "a"
+    ]
     assert b.status is SequenceStatus.WAITING and b.block_table == [] and b.num_computed_tokens == 0
     assert sched.waiting[0] is b and b.num_preemptions == 1
 

@@ -76,7 +76,7 @@ class BlockManager:
         parent = root_hash(self.hash_seed)
         bs = self.block_size
         for start in range(0, (len(seq) - 1) // bs * bs, bs):
-            parent = block_hash(parent, seq.token_ids[start:start + bs], seq.cache_salt)
+            parent = block_hash(parent, seq.token_ids[start : start + bs], seq.cache_salt)
             block_id = self.hash_to_block.get(parent)
             if block_id is None:
                 break
@@ -97,7 +97,7 @@ class BlockManager:
         stored: list[int] = []
         for index in range(len(seq.block_hashes), num_full):
             parent = prev if prev is not None else root_hash(self.hash_seed)
-            h = block_hash(parent, seq.token_ids[index * bs:(index + 1) * bs], seq.cache_salt)
+            h = block_hash(parent, seq.token_ids[index * bs : (index + 1) * bs], seq.cache_salt)
             seq.block_hashes.append(h)
             block_id = seq.block_table[index]
             if h not in self.hash_to_block and self.hash_of[block_id] is None:

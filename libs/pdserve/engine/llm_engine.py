@@ -69,8 +69,9 @@ class LLMEngine:
         self.model = model
         self.block_manager = BlockManager(config.num_blocks, config.block_size, config.hash_seed)
         max_len = min(config.max_model_len, model.config.max_position_embeddings)
-        self.scheduler = Scheduler(self.block_manager, SchedulerConfig(
-            config.max_num_batched_tokens, config.max_num_seqs, max_len))
+        self.scheduler = Scheduler(
+            self.block_manager, SchedulerConfig(config.max_num_batched_tokens, config.max_num_seqs, max_len)
+        )
         self.runner = ModelRunner(model, config.num_blocks, config.block_size)
         self.stop_token_ids = set(stop_token_ids)
         self.stats = EngineStats()
@@ -133,10 +134,12 @@ class LLMEngine:
         sends = self._planned_sends(batch)
         hook = None
         if sends:
+
             def hook(layer: int, kv_layer: torch.Tensor) -> None:
                 for seq, start, slots in sends:
                     assert seq.kv_sink is not None
                     seq.kv_sink(layer, start, pack_kv(kv_layer, slots))
+
         logits = self.runner.execute(batch, hook)
         for seq, start, slots in sends:
             seq.num_sent_tokens = start + len(slots)

@@ -1,4 +1,4 @@
-"""One forward of the Llama model over a mixed batch (prefill chunks and decode tokens) on a paged KV cache."""
+"""One forward of the Llama model over a mixed batch (prefill chunks and decode tokens), paged KV cache."""
 
 from __future__ import annotations
 
@@ -30,8 +30,10 @@ class ModelRunner:
         cfg = model.config
         self.model = model
         self.block_size = block_size
-        self.kv_cache = [torch.zeros(num_blocks, block_size, 2, cfg.num_kv_heads, cfg.head_dim)
-                         for _ in range(cfg.num_layers)]
+        self.kv_cache = [
+            torch.zeros(num_blocks, block_size, 2, cfg.num_kv_heads, cfg.head_dim)
+            for _ in range(cfg.num_layers)
+        ]
 
     @torch.inference_mode()
     def execute(self, batch: list[ScheduledSeq], layer_hook: LayerHook | None = None) -> torch.Tensor:
@@ -52,7 +54,7 @@ class ModelRunner:
         query_lens: list[int] = []
         for seq, n in batch:
             start = seq.num_computed_tokens
-            input_ids += seq.token_ids[start:start + n]
+            input_ids += seq.token_ids[start : start + n]
             positions += range(start, start + n)
             slots.append(token_slots(seq.block_table, start, start + n, bs))
             context_lens.append(start + n)
@@ -62,7 +64,7 @@ class ModelRunner:
         max_blocks = max(len(seq.block_table) for seq, _ in batch)
         block_tables = torch.zeros(len(batch), max_blocks, dtype=torch.int64)
         for i, (seq, _) in enumerate(batch):
-            block_tables[i, :len(seq.block_table)] = torch.tensor(seq.block_table, dtype=torch.int64)
+            block_tables[i, : len(seq.block_table)] = torch.tensor(seq.block_table, dtype=torch.int64)
         slot_mapping = torch.cat(slots)
         pos = torch.tensor(positions, dtype=torch.int64)
         cos, sin = m.cos[pos], m.sin[pos]
@@ -76,8 +78,9 @@ class ModelRunner:
             store_kv(self.kv_cache[index], slot_mapping, apply_rope(k, cos, sin), v)
             if layer_hook is not None:
                 layer_hook(index, self.kv_cache[index])
-            attn = paged_attention(apply_rope(q, cos, sin), self.kv_cache[index], block_tables,
-                                   context_lens, query_lens)
+            attn = paged_attention(
+                apply_rope(q, cos, sin), self.kv_cache[index], block_tables, context_lens, query_lens
+            )
             hidden = hidden + F.linear(attn.reshape(num_tokens, cfg.num_heads * cfg.head_dim), layer.o)
             x = rms_norm(hidden, layer.post_norm, cfg.rms_norm_eps)
             hidden = hidden + F.linear(F.silu(F.linear(x, layer.gate)) * F.linear(x, layer.up), layer.down)

@@ -59,11 +59,14 @@ class Scheduler:
         """Raises CannotFit when a sequence of `num_tokens` tokens (prompt + max output) can never be held."""
         bm = self.block_manager
         if num_tokens > self.config.max_model_len:
-            raise CannotFit(f"{num_tokens} tokens (prompt + max_tokens) exceed max_model_len "
-                            f"{self.config.max_model_len}")
+            raise CannotFit(
+                f"{num_tokens} tokens (prompt + max_tokens) exceed max_model_len {self.config.max_model_len}"
+            )
         if bm.blocks_for(num_tokens) > bm.num_blocks:
-            raise CannotFit(f"{num_tokens} tokens (prompt + max_tokens) need {bm.blocks_for(num_tokens)} blocks "
-                            f"of {bm.block_size}; the KV cache has {bm.num_blocks}")
+            raise CannotFit(
+                f"{num_tokens} tokens (prompt + max_tokens) need {bm.blocks_for(num_tokens)} blocks "
+                f"of {bm.block_size}; the KV cache has {bm.num_blocks}"
+            )
 
     def max_tokens_of(self, seq: Sequence) -> int:
         """Most tokens `seq` can reach: its tokens now plus the output it may still generate."""

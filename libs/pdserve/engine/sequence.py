@@ -38,9 +38,14 @@ class Sequence:
     worker streaming to its decode worker); `num_sent_tokens` starts where the decode's own cache ends.
     """
 
-    def __init__(self, request_id: str, prompt_token_ids: list[int] | tuple[int, ...],
-                 sampling: SamplingParams | None = None,
-                 cache_salt: str | None = None, output_start_index: int = 0) -> None:
+    def __init__(
+        self,
+        request_id: str,
+        prompt_token_ids: list[int] | tuple[int, ...],
+        sampling: SamplingParams | None = None,
+        cache_salt: str | None = None,
+        output_start_index: int = 0,
+    ) -> None:
         if not prompt_token_ids:
             raise ValueError(f"request {request_id}: empty prompt")
         self.request_id = request_id
@@ -74,7 +79,7 @@ class Sequence:
 
     @property
     def output_token_ids(self) -> list[int]:
-        return self.token_ids[self.num_prompt_tokens:]
+        return self.token_ids[self.num_prompt_tokens :]
 
     @property
     def num_output_tokens(self) -> int:
@@ -90,5 +95,7 @@ class Sequence:
         return self.num_uncomputed_tokens > 1
 
     def __repr__(self) -> str:
-        return (f"Sequence({self.request_id!r}, {self.status}, tokens={len(self)}, "
-                f"computed={self.num_computed_tokens}, blocks={self.block_table})")
+        return (
+            f"Sequence({self.request_id!r}, {self.status}, tokens={len(self)}, "
+            f"computed={self.num_computed_tokens}, blocks={self.block_table})"
+        )

@@ -65,7 +65,9 @@ class EngineLoop:
     def fail_prefill(self, request_id: str, reason: str) -> None:
         fut = self.prefills.pop(request_id, None)
         if fut is not None and not fut.done():
-            fut.set_exception(RejectedError(RejectCode.NOT_FOUND, f"{request_id} released during prefill: {reason}"))
+            fut.set_exception(
+                RejectedError(RejectCode.NOT_FOUND, f"{request_id} released during prefill: {reason}")
+            )
 
     async def run(self) -> None:
         """Forever: one engine step (in a thread, under the worker's compute lock), then its outputs."""
@@ -86,8 +88,9 @@ class EngineLoop:
     async def admit(self, seq: Sequence, first_token_id: int) -> float:
         """Start decoding `seq` (prompt KV complete): stream the prompt's first token and join the batch.
         Returns the first token's UNIX timestamp."""
-        stream = DecodeStream(seq, tracer.start_span("decode.generate",
-                                                     attributes={"pdserve.request_id": seq.request_id}))
+        stream = DecodeStream(
+            seq, tracer.start_span("decode.generate", attributes={"pdserve.request_id": seq.request_id})
+        )
         self.streams[seq.request_id] = stream
         async with self.worker.compute:
             reason = self.engine.admit(seq, first_token_id)
@@ -123,23 +126,37 @@ class EngineLoop:
         if stream is not None:
             await self._emit(stream, out.new_token_ids, out.finish_reason)
 
-    async def _emit(self, stream: DecodeStream, token_ids: tuple[int, ...], reason: FinishReason | None) -> None:
+    async def _emit(
+        self, stream: DecodeStream, token_ids: tuple[int, ...], reason: FinishReason | None
+    ) -> None:
         seq, bus = stream.seq, self.worker.bus
-        await bus.publish(bus.subjects.tokens(seq.request_id), TokenChunk(
-            request_id=seq.request_id, index=seq.output_start_index + stream.num_streamed, token_ids=token_ids,
-            finish_reason=reason))
+        await bus.publish(
+            bus.subjects.tokens(seq.request_id),
+            TokenChunk(
+                request_id=seq.request_id,
+                index=seq.output_start_index + stream.num_streamed,
+                token_ids=token_ids,
+                finish_reason=reason,
+            ),
+        )
         stream.num_streamed += len(token_ids)
-        if reason is not None or stream.num_streamed - stream.num_committed >= self.worker.settings.commit_every_tokens:
+        if (
+            reason is not None
+            or stream.num_streamed - stream.num_committed >= self.worker.settings.commit_every_tokens
+        ):
             await self._commit(stream)
         if reason is not None:
             self._finish(stream, reason)
 
     async def _commit(self, stream: DecodeStream) -> None:
         seq = stream.seq
-        new = seq.output_token_ids[stream.num_committed:stream.num_streamed]
+        new = seq.output_token_ids[stream.num_committed : stream.num_streamed]
         if new:
-            await self.worker.bus.emit(seq.request_id, TokensCommitted(
-                start_index=seq.output_start_index + stream.num_committed, token_ids=new), self.worker.worker_id)
+            await self.worker.bus.emit(
+                seq.request_id,
+                TokensCommitted(start_index=seq.output_start_index + stream.num_committed, token_ids=new),
+                self.worker.worker_id,
+            )
             stream.num_committed = stream.num_streamed
 
     def _finish(self, stream: DecodeStream, reason: FinishReason) -> None:
@@ -148,9 +165,14 @@ class EngineLoop:
         stream.span.set_attribute("pdserve.finish_reason", reason.value)
         stream.span.set_attribute("gen_ai.usage.output_tokens", stream.num_streamed)
         stream.span.end()
-        msg = DecodeFinished(request_id=seq.request_id, worker_id=self.worker.worker_id, finish_reason=reason,
-                             num_output_tokens=seq.output_start_index + stream.num_streamed,
-                             first_token_ts=stream.first_token_ts or time.time(), last_token_ts=time.time())
+        msg = DecodeFinished(
+            request_id=seq.request_id,
+            worker_id=self.worker.worker_id,
+            finish_reason=reason,
+            num_output_tokens=seq.output_start_index + stream.num_streamed,
+            first_token_ts=stream.first_token_ts or time.time(),
+            last_token_ts=time.time(),
+        )
         self.worker.bus.spawn(self._tell_coordinator(msg))
 
     async def _tell_coordinator(self, msg: DecodeFinished, attempts: int = 10) -> None:
@@ -160,5 +182,7 @@ class EngineLoop:
                 await bus.request(bus.subjects.finished, msg, Ack, timeout_s=2.0)
                 return
             except (BusTimeout, RejectedError) as e:
-                log.warning("DecodeFinished for %s not acknowledged (%s), attempt %d", msg.request_id, e, attempt + 1)
+                log.warning(
+                    "DecodeFinished for %s not acknowledged (%s), attempt %d", msg.request_id, e, attempt + 1
+                )
                 await asyncio.sleep(0.5)

@@ -33,11 +33,20 @@ class KVEventPublisher:
         """Flush, then publish the digest covering every batch published so far."""
         await self.flush()
         bm = self.block_manager
-        await self.bus.publish(self.bus.subjects.kv_digest(self.worker_id), KVDigest(
-            worker_id=self.worker_id, seq=max(self.next_seq - 1, 0), num_blocks=len(bm.hash_to_block),
-            xor_hashes=bm.xor_hashes, ts=time.time()))
+        await self.bus.publish(
+            self.bus.subjects.kv_digest(self.worker_id),
+            KVDigest(
+                worker_id=self.worker_id,
+                seq=max(self.next_seq - 1, 0),
+                num_blocks=len(bm.hash_to_block),
+                xor_hashes=bm.xor_hashes,
+                ts=time.time(),
+            ),
+        )
 
     async def _publish(self, events: list[BlockStored | BlockRemoved | AllBlocksCleared]) -> None:
         seq, self.next_seq = self.next_seq, self.next_seq + 1
-        await self.bus.publish(self.bus.subjects.kv_events(self.worker_id), KVEvents(
-            worker_id=self.worker_id, seq=seq, events=tuple(events), ts=time.time()))
+        await self.bus.publish(
+            self.bus.subjects.kv_events(self.worker_id),
+            KVEvents(worker_id=self.worker_id, seq=seq, events=tuple(events), ts=time.time()),
+        )

@@ -31,7 +31,13 @@ from pdserve.engine.llm_engine import CannotFit, EngineConfig, LLMEngine, NoFree
 from pdserve.engine.loader import LoadedModel
 from pdserve.engine.model import LlamaModel
 from pdserve.engine.sequence import Sequence, SequenceStatus
-from pdserve.events import ChecksumMismatch, DecodeStarted, PrefillCompleted, PrefillStarted, TransferCompleted
+from pdserve.events import (
+    ChecksumMismatch,
+    DecodeStarted,
+    PrefillCompleted,
+    PrefillStarted,
+    TransferCompleted,
+)
 from pdserve.kernels.kv_pack import token_slots, unpack_kv
 from pdserve.messages import (
     Ack,
@@ -56,22 +62,32 @@ from pdserve.workers.slots import Slot, SlotTable
 log = logging.getLogger(__name__)
 tracer = trace.get_tracer("pdserve.worker")
 
-LAYOUT_VERSION = 2  # per layer [num_blocks, block_size, 2, kv_heads, head_dim] fp32; transfers carry token rows
+LAYOUT_VERSION = (
+    2  # per layer [num_blocks, block_size, 2, kv_heads, head_dim] fp32; transfers carry token rows
+)
 
 
 class Worker:
-    def __init__(self, bus: Bus, settings: WorkerSettings, loaded: LoadedModel,
-                 transport: KVTransport | None) -> None:
+    def __init__(
+        self, bus: Bus, settings: WorkerSettings, loaded: LoadedModel, transport: KVTransport | None
+    ) -> None:
         self.bus = bus
         self.settings = settings
         self.worker_id = settings.worker_id
         self.role = Role(settings.role)
         self.loaded = loaded
         self.model = LlamaModel(loaded.config, loaded.weights)
-        self.engine = LLMEngine(self.model, EngineConfig(
-            num_blocks=max(settings.kv_capacity_tokens // settings.block_size, 1), block_size=settings.block_size,
-            max_num_batched_tokens=settings.max_num_batched_tokens, max_num_seqs=settings.max_num_seqs,
-            hash_seed=settings.kv_hash_seed), loaded.tokenizer.stop_token_ids)
+        self.engine = LLMEngine(
+            self.model,
+            EngineConfig(
+                num_blocks=max(settings.kv_capacity_tokens // settings.block_size, 1),
+                block_size=settings.block_size,
+                max_num_batched_tokens=settings.max_num_batched_tokens,
+                max_num_seqs=settings.max_num_seqs,
+                hash_seed=settings.kv_hash_seed,
+            ),
+            loaded.tokenizer.stop_token_ids,
+        )
         self.transport = transport
         self.slots = SlotTable()
         self.prefilling: dict[str, Sequence] = {}  # prefill role: sequences computing for a decode worker
@@ -80,9 +96,15 @@ class Worker:
         self.kv_events = KVEventPublisher(bus, self.worker_id, self.engine.block_manager)
         cfg = loaded.config
         self.descriptor = CompatibilityDescriptor(
-            model=loaded.name, weights_hash=loaded.weights_hash, dtype="float32", block_size=settings.block_size,
-            num_layers=cfg.num_layers, num_kv_heads=cfg.num_kv_heads, head_dim=cfg.head_dim,
-            hash_seed=settings.kv_hash_seed, layout_version=LAYOUT_VERSION,
+            model=loaded.name,
+            weights_hash=loaded.weights_hash,
+            dtype="float32",
+            block_size=settings.block_size,
+            num_layers=cfg.num_layers,
+            num_kv_heads=cfg.num_kv_heads,
+            head_dim=cfg.head_dim,
+            hash_seed=settings.kv_hash_seed,
+            layout_version=LAYOUT_VERSION,
         )
 
     # ------------------------------------------------------------ reserve / release
@@ -92,8 +114,10 @@ class Worker:
             raise RejectedError(RejectCode.INVALID, f"{self.worker_id} is a prefill worker")
         known = bool(req.prompt_token_ids)  # a caller that does not send them gets no prefix-cache hit
         if known and len(req.prompt_token_ids) != req.num_prompt_tokens:
-            raise RejectedError(RejectCode.INVALID, f"{len(req.prompt_token_ids)} prompt token ids for "
-                                f"num_prompt_tokens {req.num_prompt_tokens}")
+            raise RejectedError(
+                RejectCode.INVALID,
+                f"{len(req.prompt_token_ids)} prompt token ids for num_prompt_tokens {req.num_prompt_tokens}",
+            )
         if self.slots.get(req.request_id) is not None:
             raise RejectedError(RejectCode.DUPLICATE, f"request {req.request_id} already reserved")
         prompt = req.prompt_token_ids or (0,) * req.num_prompt_tokens  # placeholder until `start` tells
@@ -109,17 +133,26 @@ class Worker:
         if self.transport is not None:
             cfg = self.loaded.config
             rows = len(seq) - seq.num_cached_tokens
-            slot.staging = [torch.empty(rows, 2, cfg.num_kv_heads, cfg.head_dim) for _ in range(cfg.num_layers)]
+            slot.staging = [
+                torch.empty(rows, 2, cfg.num_kv_heads, cfg.head_dim) for _ in range(cfg.num_layers)
+            ]
             try:
                 slot.inbound = self.transport.expect(req.transfer_id, slot.staging)
             except ValueError as e:
                 await self._free(seq)
                 raise RejectedError(RejectCode.DUPLICATE, str(e)) from e
         self.slots.add(slot)
-        endpoint = self.transport.endpoint() if self.transport else KVEndpoint(transport="tcp", address="local")
-        return Reservation(request_id=req.request_id, transfer_id=req.transfer_id, worker_id=self.worker_id,
-                           endpoint=endpoint, num_tokens=req.num_prompt_tokens + req.max_tokens,
-                           num_cached_tokens=seq.num_cached_tokens)
+        endpoint = (
+            self.transport.endpoint() if self.transport else KVEndpoint(transport="tcp", address="local")
+        )
+        return Reservation(
+            request_id=req.request_id,
+            transfer_id=req.transfer_id,
+            worker_id=self.worker_id,
+            endpoint=endpoint,
+            num_tokens=req.num_prompt_tokens + req.max_tokens,
+            num_cached_tokens=seq.num_cached_tokens,
+        )
 
     async def release(self, req: Release) -> Ack:
         if req.finish_reason is not None:
@@ -142,12 +175,16 @@ class Worker:
     async def prefill(self, req: PrefillRequest) -> PrefillResult:
         local = req.decode_worker_id == self.worker_id
         if not local and (self.transport is None or self.role is not Role.PREFILL):
-            raise RejectedError(RejectCode.INVALID, f"{self.worker_id} cannot prefill for {req.decode_worker_id}")
+            raise RejectedError(
+                RejectCode.INVALID, f"{self.worker_id} cannot prefill for {req.decode_worker_id}"
+            )
         sends: list[Future[int]] = []
         if local:
             slot = self.slots.get(req.request_id)
             if slot is None or slot.seq.status is not SequenceStatus.RESERVED:
-                raise RejectedError(RejectCode.NOT_FOUND, f"no reservation awaiting prefill for {req.request_id}")
+                raise RejectedError(
+                    RejectCode.NOT_FOUND, f"no reservation awaiting prefill for {req.request_id}"
+                )
             seq = slot.seq
             seq.token_ids = list(req.prompt_token_ids)  # the reserved ids may have been a placeholder
             seq.set_sampling(req.sampling)
@@ -169,9 +206,13 @@ class Worker:
             self.prefilling[req.request_id] = seq
         self.loop.wake()
         num_prompt = len(req.prompt_token_ids)
-        await self.bus.emit(req.request_id, PrefillStarted(
-            prefill_worker_id=self.worker_id, transfer_id=req.transfer_id, num_prompt_tokens=num_prompt),
-            self.worker_id)
+        await self.bus.emit(
+            req.request_id,
+            PrefillStarted(
+                prefill_worker_id=self.worker_id, transfer_id=req.transfer_id, num_prompt_tokens=num_prompt
+            ),
+            self.worker_id,
+        )
         t0 = time.perf_counter()
         with tracer.start_as_current_span("prefill.forward") as span:
             span.set_attribute("pdserve.request_id", req.request_id)
@@ -182,17 +223,33 @@ class Worker:
             kv_bytes = sum(await asyncio.gather(*map(asyncio.wrap_future, sends)))
             if not local:
                 self.prefilling.pop(req.request_id, None)
-                await self.transport.finish(req.endpoint, req.transfer_id, self.loaded.config.num_layers,
-                                            seq.num_chunks_sent)
+                await self.transport.finish(
+                    req.endpoint, req.transfer_id, self.loaded.config.num_layers, seq.num_chunks_sent
+                )
         prefill_s = time.perf_counter() - t0
         cached = seq.num_cached_tokens
-        await self.bus.emit(req.request_id, PrefillCompleted(
-            prefill_worker_id=self.worker_id, transfer_id=req.transfer_id, first_token_id=first_token,
-            num_cached_tokens=cached, num_computed_tokens=num_prompt - cached, kv_bytes=kv_bytes,
-            prefill_s=prefill_s), self.worker_id)
-        return PrefillResult(request_id=req.request_id, transfer_id=req.transfer_id, first_token_id=first_token,
-                             num_cached_tokens=cached, num_computed_tokens=num_prompt - cached,
-                             kv_bytes=kv_bytes, prefill_s=prefill_s)
+        await self.bus.emit(
+            req.request_id,
+            PrefillCompleted(
+                prefill_worker_id=self.worker_id,
+                transfer_id=req.transfer_id,
+                first_token_id=first_token,
+                num_cached_tokens=cached,
+                num_computed_tokens=num_prompt - cached,
+                kv_bytes=kv_bytes,
+                prefill_s=prefill_s,
+            ),
+            self.worker_id,
+        )
+        return PrefillResult(
+            request_id=req.request_id,
+            transfer_id=req.transfer_id,
+            first_token_id=first_token,
+            num_cached_tokens=cached,
+            num_computed_tokens=num_prompt - cached,
+            kv_bytes=kv_bytes,
+            prefill_s=prefill_s,
+        )
 
     def _layer_sender(self, req: PrefillRequest, sends: list[Future[int]]):
         """A KV sink (called in the engine's thread) that streams layer l's new rows while l+1 computes.
@@ -205,8 +262,9 @@ class Worker:
 
         def on_layer(layer: int, start: int, rows: torch.Tensor) -> None:
             chunk = chunk_of.setdefault(start, len(chunk_of))
-            coro = self.transport.send_layer(req.endpoint, req.transfer_id, layer, chunk, start - skip, rows,
-                                             carrier.get("traceparent"))
+            coro = self.transport.send_layer(
+                req.endpoint, req.transfer_id, layer, chunk, start - skip, rows, carrier.get("traceparent")
+            )
             sends.append(asyncio.run_coroutine_threadsafe(coro, loop))
 
         return on_layer
@@ -219,8 +277,11 @@ class Worker:
             raise RejectedError(RejectCode.NOT_FOUND, f"no reservation for transfer {req.transfer_id}")
         seq = slot.seq
         if len(req.prompt_token_ids) != seq.num_prompt_tokens:
-            raise RejectedError(RejectCode.INVALID, f"start's prompt has {len(req.prompt_token_ids)} tokens, "
-                                f"the reservation {seq.num_prompt_tokens}")
+            raise RejectedError(
+                RejectCode.INVALID,
+                f"start's prompt has {len(req.prompt_token_ids)} tokens, "
+                f"the reservation {seq.num_prompt_tokens}",
+            )
         if seq.status is SequenceStatus.RESERVED:
             seq.token_ids = list(req.prompt_token_ids)  # the reserved ids may have been a placeholder
         slot.started = True
@@ -229,11 +290,17 @@ class Worker:
             try:
                 stats = await slot.inbound.wait(self.settings.lease_s)
             except ChecksumMismatchError as e:
-                await self.bus.emit(req.request_id, ChecksumMismatch(
-                    transfer_id=req.transfer_id, layer=e.layer, expected=e.expected, actual=e.actual),
-                    self.worker_id)
+                await self.bus.emit(
+                    req.request_id,
+                    ChecksumMismatch(
+                        transfer_id=req.transfer_id, layer=e.layer, expected=e.expected, actual=e.actual
+                    ),
+                    self.worker_id,
+                )
                 await self._drop(req.request_id)
-                raise RejectedError(RejectCode.TRANSFER_FAILED, f"checksum mismatch at layer {e.layer}") from e
+                raise RejectedError(
+                    RejectCode.TRANSFER_FAILED, f"checksum mismatch at layer {e.layer}"
+                ) from e
             except TransferTimeout as e:
                 await self._drop(req.request_id)
                 raise RejectedError(RejectCode.TRANSFER_FAILED, f"transfer timed out: {e}") from e
@@ -242,9 +309,18 @@ class Worker:
                 await asyncio.to_thread(self._scatter, slot)
                 self.engine.mark_computed(seq, len(seq))
             await self.kv_events.flush()
-            await self.bus.emit(req.request_id, TransferCompleted(
-                transfer_id=req.transfer_id, transport=self.transport.kind, kv_bytes=stats.kv_bytes,
-                num_layers=stats.num_layers, transfer_s=stats.seconds, checksum_ok=True), self.worker_id)
+            await self.bus.emit(
+                req.request_id,
+                TransferCompleted(
+                    transfer_id=req.transfer_id,
+                    transport=self.transport.kind,
+                    kv_bytes=stats.kv_bytes,
+                    num_layers=stats.num_layers,
+                    transfer_s=stats.seconds,
+                    checksum_ok=True,
+                ),
+                self.worker_id,
+            )
         elif seq.status is not SequenceStatus.PARKED:
             raise RejectedError(RejectCode.NOT_FOUND, f"{req.request_id} was not prefilled here")
         transfer_done_ts = time.time()
@@ -253,12 +329,20 @@ class Worker:
             seq.set_sampling(req.sampling)
         with tracer.start_as_current_span("decode.admit") as span:
             span.set_attribute("pdserve.request_id", req.request_id)
-            await self.bus.emit(req.request_id, DecodeStarted(
-                decode_worker_id=self.worker_id, num_running=self.loop.num_running + 1), self.worker_id)
+            await self.bus.emit(
+                req.request_id,
+                DecodeStarted(decode_worker_id=self.worker_id, num_running=self.loop.num_running + 1),
+                self.worker_id,
+            )
             first_token_ts = await self.loop.admit(seq, req.first_token_id)
-        return DecodeAdmitted(request_id=req.request_id, worker_id=self.worker_id, transfer_bytes=kv_bytes,
-                              transfer_s=transfer_s, transfer_done_ts=transfer_done_ts,
-                              first_token_ts=first_token_ts)
+        return DecodeAdmitted(
+            request_id=req.request_id,
+            worker_id=self.worker_id,
+            transfer_bytes=kv_bytes,
+            transfer_s=transfer_s,
+            transfer_done_ts=transfer_done_ts,
+            first_token_ts=first_token_ts,
+        )
 
     def _scatter(self, slot: Slot) -> None:
         seq, bs = slot.seq, self.settings.block_size
@@ -276,11 +360,16 @@ class Worker:
 
     def heartbeat(self) -> Heartbeat:
         bm = self.engine.block_manager
-        return Heartbeat(worker_id=self.worker_id, role=self.role, descriptor=self.descriptor,
-                         num_running=self.loop.num_running,
-                         num_waiting=len(self.engine.scheduler.waiting) + self.slots.num_waiting(),
-                         kv_capacity_tokens=bm.num_blocks * bm.block_size,
-                         kv_free_tokens=bm.num_free_blocks * bm.block_size, ts=time.time())
+        return Heartbeat(
+            worker_id=self.worker_id,
+            role=self.role,
+            descriptor=self.descriptor,
+            num_running=self.loop.num_running,
+            num_waiting=len(self.engine.scheduler.waiting) + self.slots.num_waiting(),
+            kv_capacity_tokens=bm.num_blocks * bm.block_size,
+            kv_free_tokens=bm.num_free_blocks * bm.block_size,
+            ts=time.time(),
+        )
 
     async def run_heartbeats(self) -> None:
         """Publish a heartbeat (and a KV digest) every interval; free reservations whose lease expired."""
