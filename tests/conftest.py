@@ -118,3 +118,26 @@ def isolated_settings(settings: CommonSettings, postgres_admin_url: str, run_id:
     yield make
     for db in created:
         drop_database(postgres_admin_url, db)
+
+
+@pytest.fixture(scope="session")
+def smollm2():
+    """SmolLM2-135M-Instruct as pdserve loads it (dequantized once, cached as safetensors)."""
+    from pdserve.config import ModelSettings
+    from pdserve.engine.loader import load_model
+
+    return load_model("smollm2", ModelSettings().weights_cache_dir)
+
+
+@pytest.fixture(scope="session")
+def smollm2_hf():
+    """HF transformers' own load of the same GGUF: the correctness oracle (about 35 s; loaded once)."""
+    import torch
+    import transformers
+
+    from pdserve.engine.loader import smollm2_gguf_path
+
+    path = smollm2_gguf_path()
+    return transformers.AutoModelForCausalLM.from_pretrained(
+        path.parent, gguf_file=path.name, dtype=torch.float32
+    ).eval()

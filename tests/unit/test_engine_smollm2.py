@@ -6,9 +6,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from pdserve.config import ModelSettings
 from pdserve.engine.llm_engine import EngineConfig, LLMEngine
-from pdserve.engine.loader import LoadedModel, load_model, smollm2_gguf_path
 from pdserve.engine.model import LlamaModel, generate_greedy
 from pdserve.engine.sequence import Sequence
 from pdserve.messages import SamplingParams
@@ -62,24 +60,11 @@ def one_torch_thread():
 
 
 @pytest.fixture(scope="module")
-def smollm2() -> LoadedModel:
-    return load_model("smollm2", ModelSettings().weights_cache_dir)
-
-
-@pytest.fixture(scope="module")
 def prompt_ids(smollm2) -> list[list[int]]:
     ids = [smollm2.tokenizer.encode(p) for p in PROMPTS]
     assert len(ids) == 20 and len({tuple(i) for i in ids}) == 20
     assert max(map(len, ids)) > 2 * 16 and min(map(len, ids)) < 16
     return ids
-
-
-@pytest.fixture(scope="module")
-def hf() -> torch.nn.Module:
-    path = smollm2_gguf_path()
-    return transformers.AutoModelForCausalLM.from_pretrained(
-        path.parent, gguf_file=path.name, dtype=torch.float32
-    ).eval()
 
 
 def hf_agrees(hf: torch.nn.Module, prompt: list[int], output: list[int]) -> bool:
@@ -92,14 +77,14 @@ def hf_agrees(hf: torch.nn.Module, prompt: list[int], output: list[int]) -> bool
 
 
 @pytest.fixture(scope="module")
-def hf_tokens(hf, smollm2, prompt_ids) -> list[list[int]]:
+def hf_tokens(smollm2_hf, smollm2, prompt_ids) -> list[list[int]]:
     """The greedy reference: our one-sequence forward, each continuation confirmed by HF (`hf_agrees`);
     two are also decoded token by token with HF's own cache."""
     model = LlamaModel(smollm2.config, smollm2.weights)
     reference = [generate_greedy(model, ids, MAX_TOKENS) for ids in prompt_ids]
-    assert all(hf_agrees(hf, ids, out) for ids, out in zip(prompt_ids, reference, strict=True))
+    assert all(hf_agrees(smollm2_hf, ids, out) for ids, out in zip(prompt_ids, reference, strict=True))
     for i in (0, 12):
-        assert hf_greedy(hf, prompt_ids[i], MAX_TOKENS) == reference[i]
+        assert hf_greedy(smollm2_hf, prompt_ids[i], MAX_TOKENS) == reference[i]
     return reference
 
 

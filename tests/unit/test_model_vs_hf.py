@@ -185,21 +185,8 @@ def test_tiny_generate_greedy_equals_hf_greedy(tiny, tiny_hf, tiny_ids) -> None:
 
 
 @pytest.fixture(scope="session")
-def smollm2() -> LoadedModel:
-    return load_model("smollm2", ModelSettings().weights_cache_dir)
-
-
-@pytest.fixture(scope="session")
 def smollm2_model(smollm2: LoadedModel) -> LlamaModel:
     return LlamaModel(smollm2.config, smollm2.weights)
-
-
-@pytest.fixture(scope="session")
-def smollm2_hf() -> torch.nn.Module:
-    path = smollm2_gguf_path()
-    return transformers.AutoModelForCausalLM.from_pretrained(
-        path.parent, gguf_file=path.name, dtype=torch.float32
-    ).eval()
 
 
 @pytest.mark.smollm2
