@@ -206,6 +206,8 @@ def sse_events(text: str) -> list[dict | str]:
     for block in text.split("\n\n"):
         if not block:
             continue
+        if block.startswith("id: "):  # the resume position (output tokens so far); checked elsewhere
+            block = block.split("\n", 1)[1]
         assert block.startswith("data: "), block
         data = block[len("data: "):]
         events.append(data if data == "[DONE]" else json.loads(data))

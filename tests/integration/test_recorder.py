@@ -125,7 +125,8 @@ async def test_every_event_is_recorded_once_in_stream_order_with_its_projection(
         recorded = await lifecycle(engine, rid)
         want = lives[rid] + ([unknown] if rid == rids[0] else [])
         assert [e.event_id for e in recorded] == [e.event_id for e in want]
-        assert recorded == [e.model_copy(update={"ts": r.ts}) for e, r in zip(want, recorded, strict=True)]
+        assert recorded == [e.model_copy(update={"ts": r.ts, "seq": i})  # seq: the per-request rank, on read
+                            for i, (e, r) in enumerate(zip(want, recorded, strict=True), start=1)]
         assert all(abs(e.ts - r.ts) < 1e-6 for e, r in zip(want, recorded, strict=True))
         row = await request_row(engine, rid)
         assert row == fold(await lifecycle_records(engine, rid))

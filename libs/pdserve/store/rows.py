@@ -5,9 +5,11 @@ Shared by the recorder (live) and replay (`queries.rebuild_projections`), so bot
 
 from __future__ import annotations
 
+import json
 from collections.abc import Mapping, Sequence
 from typing import Any, NamedTuple
 
+import sqlalchemy as sa
 from sqlalchemy.dialects.postgresql import insert
 from sqlalchemy.ext.asyncio import AsyncConnection
 
@@ -24,6 +26,15 @@ class RecordedEvent(NamedTuple):
 
     stream_seq: int
     event: Event
+
+
+EVENT_COLUMNS = [c.name for c in events.columns]
+_STAGING = "events_staging"
+_upsert = insert(requests)
+_UPSERT_REQUESTS = _upsert.on_conflict_do_update(
+    index_elements=[requests.c.request_id],
+    set_={c: _upsert.excluded[c] for c in REQUEST_COLUMNS if c != "request_id"},
+)
 
 
 def event_row(event: Event, stream_seq: int) -> dict[str, Any]:
@@ -56,23 +67,28 @@ def request_dict(row: Mapping[str, Any]) -> Row:
 
 async def upsert_requests(conn: AsyncConnection, rows: Sequence[Row]) -> None:
     """Insert or overwrite whole `requests` rows (every column), inside the caller's transaction."""
-    for i in range(0, len(rows), ROWS_PER_STATEMENT):
-        chunk = rows[i:i + ROWS_PER_STATEMENT]
-        stmt = insert(requests).values(list(chunk))
-        stmt = stmt.on_conflict_do_update(
-            index_elements=[requests.c.request_id],
-            set_={c: stmt.excluded[c] for c in REQUEST_COLUMNS if c != "request_id"},
-        )
-        await conn.execute(stmt)
+    if not rows:
+        return
+    # One cached statement run as executemany (SQLAlchemy batches it into multi-row VALUES itself):
+    # `.values(list)` instead compiles a fresh statement per batch, which was most of the recorder's time.
+    await conn.execute(_UPSERT_REQUESTS, list(rows))
 
 
 async def insert_events(conn: AsyncConnection, rows: Sequence[dict[str, Any]]) -> set[str]:
     """Insert `events` rows, skipping any whose event_id is already stored (a JetStream redelivery, or
     a republish outside the dedup window). Returns the event ids actually inserted."""
-    inserted: set[str] = set()
-    for i in range(0, len(rows), ROWS_PER_STATEMENT):
-        chunk = rows[i:i + ROWS_PER_STATEMENT]
-        stmt = (insert(events).values(list(chunk)).on_conflict_do_nothing(index_elements=[events.c.event_id])
-                .returning(events.c.event_id))
-        inserted.update(str(r) for r in (await conn.execute(stmt)).scalars())
-    return inserted
+    if not rows:
+        return set()
+    # COPY into a per-connection staging table, then one INSERT … SELECT … ON CONFLICT: COPY is ~5× an
+    # executemany here (DESIGN §9), and the conflict clause keeps redeliveries idempotent. The SQLAlchemy
+    # statement first opens the caller's transaction on this connection (asyncpg's BEGIN is lazy), so the
+    # staged rows and the insert commit (and are cleared, ON COMMIT DELETE ROWS) together.
+    await conn.execute(sa.text(f"CREATE TEMP TABLE IF NOT EXISTS {_STAGING} (LIKE events) "
+                               "ON COMMIT DELETE ROWS"))
+    pg = (await conn.get_raw_connection()).driver_connection
+    await pg.copy_records_to_table(_STAGING, columns=EVENT_COLUMNS, records=[
+        tuple(json.dumps(r[c]) if c == "payload" else r[c] for c in EVENT_COLUMNS) for r in rows])
+    cols = ", ".join(EVENT_COLUMNS)
+    inserted = await pg.fetch(f"INSERT INTO events ({cols}) SELECT {cols} FROM {_STAGING} "
+                              "ON CONFLICT (event_id) DO NOTHING RETURNING event_id")
+    return {str(r["event_id"]) for r in inserted}
