@@ -113,6 +113,8 @@ class StackRun:
             from pdserve.store.migrate import drop_database
 
             drop_database(*self.database)
+        if nats_url := self.env.get("PDS_NATS_URL"):
+            asyncio.run(_delete_stream(nats_url, self.env["PDS_EVENTS_STREAM"]))
 
     @property
     def state(self) -> StackState:
@@ -139,6 +141,21 @@ def point_summary(mode: str, ratio: tuple[int, int], rate: float, report: Any) -
     }
 
 
+async def _delete_stream(nats_url: str, stream: str) -> None:
+    """Delete this run's own JetStream stream from a shared NATS server (an embedded one goes with its
+    var dir)."""
+    import nats
+    from nats.js.errors import NotFoundError
+
+    nc = await nats.connect(nats_url)
+    try:
+        await nc.jetstream().delete_stream(stream)
+    except NotFoundError:
+        pass
+    finally:
+        await nc.close()
+
+
 _WARM_UP_TIMEOUT_S = 30.0
 
 
@@ -155,7 +172,7 @@ async def warm_up(base_url: str) -> str | None:
 def run_compare(cfg: CompareConfig, out_dir: Path) -> int:
     """Run the whole sweep and write the report; returns 0 when every point completed some request."""
     tag = uuid.uuid4().hex[:6]
-    env = {**os.environ, "PDS_SUBJECT_PREFIX": f"pdsbench{tag}", "PDS_EVENTS_STREAM": f"PDS_BENCH_{tag}"}
+    env = {**os.environ, "PDS_SUBJECT_PREFIX": f"pdscmp{tag}", "PDS_EVENTS_STREAM": f"PDS_COMPARE_{tag}"}
     results: dict[str, Any] = {
         "config": {**asdict(cfg), "var_dir": str(cfg.var_dir),
                    "ratios": [f"{a}:{b}" for a, b in cfg.ratios]},
