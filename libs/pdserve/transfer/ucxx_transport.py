@@ -10,9 +10,9 @@ Sender: an endpoint per peer from `create_endpoint_from_worker_address`, cached 
 the header on `_CONTROL_TAG` and the payload on a tag unique to this sender (random 31-bit sender id,
 32-bit sequence number) sent together.
 
-Configuration measured fastest here (DESIGN §9: 5.4 / 7.0 / 7.7 GB/s at 1 / 16 / 256 MiB, against 1.9-2.0
-for UCX over TCP): shared memory (`UCX_TLS=sm,self`), `endpoint_error_handling=False`, blocking progress
-driven by the event loop. With error handling off a dead peer is not reported here: workers detect it by
+Configuration: shared memory (`UCX_TLS=sm,self`; DESIGN §9 measured bare ucxx at 5.4 / 7.0 / 7.7 GB/s at
+1 / 16 / 256 MiB, against 1.9-2.0 for UCX over TCP), `endpoint_error_handling=False`, and a UCX progress
+thread (see `_DEFAULT_PROGRESS_MODE`). With error handling off a dead peer is not reported here: workers detect it by
 heartbeats. `UCX_TLS` / `UCXPY_PROGRESS_MODE` in the environment override the defaults (e.g. `tcp,self`
 between hosts). UCX is configured once per process, at the first `start()`.
 """
@@ -44,7 +44,11 @@ log = logging.getLogger(__name__)
 # Control messages use a tag with the top bit set; payload tags never have it, so the two cannot collide.
 _CONTROL_TAG = 0xF0D5_E27E_0000_0001
 _DEFAULT_TLS = "sm,self"
-_DEFAULT_PROGRESS_MODE = "blocking"
+# "thread" (a UCX progress thread) measured 2-4x faster than "blocking" through this transport under the
+# shared load of this 2-core machine (issue 4: 0.60 / 1.3-1.6 GB/s at 1 / 16 MiB against 0.09-0.30 /
+# 0.46-0.58): blocking progress waits for the event loop to come round to the worker's fd between the
+# header and the rendezvous of each payload.
+_DEFAULT_PROGRESS_MODE = "thread"
 
 _context = None  # the process's ucxx ApplicationContext: one UCX worker per process
 _context_owner: UcxxTransport | None = None
