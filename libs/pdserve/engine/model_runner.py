@@ -81,8 +81,11 @@ class ModelRunner:
             attn = paged_attention(
                 apply_rope(q, cos, sin), self.kv_cache[index], block_tables, context_lens, query_lens
             )
-            hidden = hidden + F.linear(attn.reshape(num_tokens, cfg.num_heads * cfg.head_dim), layer.o)
+            # in place where the operand is this forward's own: the same arithmetic without a fresh
+            # [tokens, intermediate] buffer per op (large allocations page-fault anew each time)
+            hidden.add_(F.linear(attn.reshape(num_tokens, cfg.num_heads * cfg.head_dim), layer.o))
             x = rms_norm(hidden, layer.post_norm, cfg.rms_norm_eps)
-            hidden = hidden + F.linear(F.silu(F.linear(x, layer.gate)) * F.linear(x, layer.up), layer.down)
+            gate = F.silu(F.linear(x, layer.gate), inplace=True).mul_(F.linear(x, layer.up))
+            hidden.add_(F.linear(gate, layer.down))
         last = torch.tensor(query_lens).cumsum(0) - 1
         return F.linear(rms_norm(hidden[last], m.final_norm, cfg.rms_norm_eps), m.lm_head)
