@@ -93,6 +93,9 @@ class CoordinatorSettings(CommonSettings):
     route_timeout_s: float = Field(2.0, description="Deadline of the route phase.")
     reserve_timeout_s: float = Field(2.0, description="Deadline of one reserve call.")
     admission_wait_s: float = Field(30.0, description="How long a request waits for decode capacity.")
+    max_waiting_requests: int = Field(
+        256, description="Admission queue bound: a Submit arriving while this many requests wait for decode "
+        "capacity is rejected with CAPACITY (HTTP 503 + Retry-After at the gateway).")
     prefill_timeout_s: float = Field(120.0, description="Deadline of the prefill phase (incl. transfer).")
     decode_timeout_s: float = Field(600.0, description="Deadline of the decode phase.")
     max_prefill_attempts: int = Field(2, description="Prefill+transfer attempts before the request fails.")
@@ -115,6 +118,12 @@ class WorkerSettings(CommonSettings, ModelSettings):
     worker_id: str = Field("", description="Stable worker id; empty = '<role>-<pid>'.")
     role: str = Field("decode", description="'prefill', 'decode' or 'unified'.")
     kv_transport: str = Field("ucxx", description="'ucxx' (shared memory on one host) or 'tcp' (asyncio).")
+    kv_transfer_mode: str = Field(
+        "layerwise", description="Prefill role: 'layerwise' sends each layer's KV as soon as it is computed; "
+        "'naive' sends all of it after the whole prefill (the baseline of benchmarks/exposed_transfer.py).")
+    kv_corrupt_every_n: int = Field(
+        0, description="Fault injection (tests only): flip one byte in flight in every n-th KV transfer this "
+        "worker sends (its first chunk); 0 = never.")
     kv_capacity_tokens: int = Field(
         32768, description="KV cache capacity in tokens (all reservations together); SmolLM2 fp32 = 45 KiB/token."
     )

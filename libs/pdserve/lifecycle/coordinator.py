@@ -13,13 +13,13 @@ import time
 
 from sqlalchemy.ext.asyncio import AsyncEngine
 
-from pdserve.bus import Bus
+from pdserve.bus import Bus, RejectedError
 from pdserve.config import CoordinatorSettings
 from pdserve.events import RequestFailed, RequestRecovered
 from pdserve.lifecycle.liveness import WorkerLiveness
 from pdserve.lifecycle.recovery import Unfinished, Unresumable, plan, read_log
 from pdserve.lifecycle.request import RequestLifecycle, ResumePoint
-from pdserve.messages import Abort, Accepted, Ack, DecodeFinished, Submit, TokenChunk
+from pdserve.messages import Abort, Accepted, Ack, DecodeFinished, RejectCode, Submit, TokenChunk
 
 log = logging.getLogger(__name__)
 
@@ -48,10 +48,20 @@ class Coordinator:
         if (held := self.unclaimed.pop(submit.request_id, None)) is not None:
             lifecycle.on_finished(held[1])
 
+    @property
+    def num_waiting(self) -> int:
+        """Requests in the admission queue: told by their decode worker that it is full, waiting to retry."""
+        return sum(1 for lifecycle, _ in self.active.values() if lifecycle.waiting_admission)
+
     async def submit(self, req: Submit) -> Accepted:
         """Start a request; a Submit of a request already in flight (the gateway retried, or recovery
-        resumed it first) is accepted again without a second run."""
+        resumed it first) is accepted again without a second run. Raises RejectedError(CAPACITY) while
+        `max_waiting_requests` requests wait for decode capacity (the gateway answers 503 + Retry-After):
+        the admission queue is bounded, so memory stays bounded when decode stays full."""
         if req.request_id not in self.active:
+            if self.num_waiting >= self.settings.max_waiting_requests:
+                raise RejectedError(RejectCode.CAPACITY, f"{self.num_waiting} requests already wait for "
+                                    f"decode capacity (max_waiting_requests)")
             self._start(req)
         return Accepted(request_id=req.request_id)
 

@@ -75,6 +75,7 @@ class Phases:
         self.holders: set[str] = set()  # workers that may hold something of this request
         self.watched: set[str] = set()  # workers whose death abandons the current phase
         self.phase = "route"
+        self.waiting_admission = False  # in the admission queue: decode said full, waiting to retry
 
     async def watch(self, coro: Awaitable[T]) -> T:
         """Await `coro` unless a worker of `self.watched` dies first: then cancel it, raise `WorkerLost`."""
@@ -208,33 +209,38 @@ class Phases:
         delay, deferred = 0.02, False
         t0 = time.perf_counter()
         with tracer.start_as_current_span("coordinator.reserve"):
-            while True:
-                self.holders.add(worker)
-                try:
-                    reservation = await self.command(
-                        worker,
-                        self.bus.request(
-                            self.bus.subjects.worker(worker, "reserve"),
-                            req,
-                            Reservation,
-                            self.settings.reserve_timeout_s,
-                        ),
-                    )
-                    break
-                except RejectedError as e:
-                    if e.code is not RejectCode.CAPACITY:
-                        raise
-                    if not deferred:
-                        deferred = True
-                        await self.bus.emit(
-                            self.request_id, AdmissionDeferred(decode_worker_id=worker, reason=e.message)
+            try:
+                while True:
+                    self.holders.add(worker)
+                    try:
+                        reservation = await self.command(
+                            worker,
+                            self.bus.request(
+                                self.bus.subjects.worker(worker, "reserve"),
+                                req,
+                                Reservation,
+                                self.settings.reserve_timeout_s,
+                            ),
                         )
-                    if time.monotonic() + delay > deadline:
-                        raise PhaseFailed(
-                            "admission", f"decode {worker} full for {self.settings.admission_wait_s} s"
-                        ) from e
-                    await asyncio.sleep(delay)
-                    delay = min(delay * 2, 0.5)
+                        break
+                    except RejectedError as e:
+                        if e.code is not RejectCode.CAPACITY:
+                            raise
+                        self.waiting_admission = True
+                        if not deferred:
+                            deferred = True
+                            await self.bus.emit(
+                                self.request_id, AdmissionDeferred(decode_worker_id=worker, reason=e.message)
+                            )
+                        if time.monotonic() + delay > deadline:
+                            raise PhaseFailed(
+                                "admission", f"decode {worker} full for {self.settings.admission_wait_s} s"
+                            ) from e
+                        await asyncio.sleep(delay)
+                        delay = min(delay * 2, 0.5)
+            finally:
+                # Whatever ends the wait (reserved, failed, aborted), the request leaves the queue.
+                self.waiting_admission = False
         await self.bus.emit(
             self.request_id,
             DecodeReserved(

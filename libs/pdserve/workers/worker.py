@@ -5,7 +5,8 @@ Commands it serves (see `pdserve.messages`):
   has (reported as `num_cached_tokens`), and expect the transfer of the rest.
 - prefill (prefill, or decode/unified for a local prefill): run the prompt through the engine (chunked,
   batched with whatever else runs) and, from a prefill worker, stream each layer's KV rows that the decode
-  worker lacks as soon as that layer is computed; return the first token.
+  worker lacks as soon as that layer is computed (`kv_transfer_mode='layerwise'`) or all of them once the
+  prefill is done (`'naive'`, the baseline); return the first token.
 - start (decode/unified): wait for the transfer to be verified, scatter it into the reserved blocks, admit
   the sequence into the engine's continuous batch, stream tokens.
 - release (all): free everything the request holds here; idempotent.
@@ -62,6 +63,8 @@ from pdserve.workers.slots import Slot, SlotTable
 log = logging.getLogger(__name__)
 tracer = trace.get_tracer("pdserve.worker")
 
+TRANSFER_MODES = ("layerwise", "naive")
+
 LAYOUT_VERSION = (
     2  # per layer [num_blocks, block_size, 2, kv_heads, head_dim] fp32; transfers carry token rows
 )
@@ -88,7 +91,10 @@ class Worker:
             ),
             loaded.tokenizer.stop_token_ids,
         )
+        if settings.kv_transfer_mode not in TRANSFER_MODES:
+            raise ValueError(f"kv_transfer_mode {settings.kv_transfer_mode!r}: expected one of {TRANSFER_MODES}")
         self.transport = transport
+        self.transfers_sent = 0  # KV transfers this worker began sending (drives kv_corrupt_every_n)
         self.slots = SlotTable()
         self.prefilling: dict[str, Sequence] = {}  # prefill role: sequences computing for a decode worker
         self.compute = asyncio.Lock()  # one engine call at a time on this worker's core
@@ -195,7 +201,11 @@ class Worker:
             seq = Sequence(req.request_id, req.prompt_token_ids, req.sampling, cache_salt=req.cache_salt)
             seq.stop_after_prefill = seq.free_after_prefill = True
             seq.num_sent_tokens = req.decode_num_cached_tokens
-            seq.kv_sink = self._layer_sender(req, sends)
+            self._inject_faults()
+            held: list[tuple[int, int, int, torch.Tensor]] | None = (
+                [] if self.settings.kv_transfer_mode == "naive" else None
+            )
+            seq.kv_sink = self._layer_sender(req, sends, held)
             first = self.loop.expect_prefill(req.request_id)
             async with self.compute:
                 try:
@@ -221,6 +231,8 @@ class Worker:
             first_token = await first
             span.set_attribute("pdserve.num_cached_tokens", seq.num_cached_tokens)
             kv_bytes = sum(await asyncio.gather(*map(asyncio.wrap_future, sends)))
+            if not local and held:
+                kv_bytes += await self._send_held(req, held)
             if not local:
                 self.prefilling.pop(req.request_id, None)
                 await self.transport.finish(
@@ -251,9 +263,32 @@ class Worker:
             prefill_s=prefill_s,
         )
 
-    def _layer_sender(self, req: PrefillRequest, sends: list[Future[int]]):
-        """A KV sink (called in the engine's thread) that streams layer l's new rows while l+1 computes.
-        Row p of the prompt lands at row p - decode_num_cached_tokens of the decode worker's staging."""
+    def _inject_faults(self) -> None:
+        """Fault injection (`kv_corrupt_every_n`, tests only): the 1st, (n+1)-th, ... transfer gets one
+        flipped byte, so a retry of a corrupted transfer (the next one) goes through clean when n >= 2."""
+        n = self.settings.kv_corrupt_every_n
+        self.transfers_sent += 1
+        if n > 0 and self.transport is not None and (self.transfers_sent - 1) % n == 0:
+            self.transport.corrupt_next += 1
+
+    async def _send_held(self, req: PrefillRequest, held: list[tuple[int, int, int, torch.Tensor]]) -> int:
+        """Naive mode: send every (layer, chunk, row, rows) the prefill produced, all at once, after it
+        finished. Returns the payload bytes sent."""
+        carrier: dict[str, str] = {}
+        propagate.inject(carrier)
+        sent = await asyncio.gather(*(
+            self.transport.send_layer(req.endpoint, req.transfer_id, layer, chunk, row, rows,
+                                      carrier.get("traceparent"))
+            for layer, chunk, row, rows in held
+        ))
+        held.clear()
+        return sum(sent)
+
+    def _layer_sender(self, req: PrefillRequest, sends: list[Future[int]],
+                      held: list[tuple[int, int, int, torch.Tensor]] | None = None):
+        """A KV sink (called in the engine's thread) that streams layer l's new rows while l+1 computes,
+        or, given `held` (naive mode), keeps them there for `_send_held`. Row p of the prompt lands at row
+        p - decode_num_cached_tokens of the decode worker's staging."""
         loop = asyncio.get_running_loop()
         carrier: dict[str, str] = {}
         propagate.inject(carrier)
@@ -262,6 +297,9 @@ class Worker:
 
         def on_layer(layer: int, start: int, rows: torch.Tensor) -> None:
             chunk = chunk_of.setdefault(start, len(chunk_of))
+            if held is not None:
+                held.append((layer, chunk, start - skip, rows))  # pack_kv made `rows` a copy: safe to keep
+                return
             coro = self.transport.send_layer(
                 req.endpoint, req.transfer_id, layer, chunk, start - skip, rows, carrier.get("traceparent")
             )
