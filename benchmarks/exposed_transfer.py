@@ -1,0 +1,204 @@
+"""Exposed KV transfer: TTFT(disaggregated) - TTFT(colocated) per prompt length, layer-wise vs naive.
+
+    python benchmarks/exposed_transfer.py [--lengths 128 512 1024 2048] [--requests 2] [--model smollm2]
+                                          [--out docs/benchmarks]
+
+Three real stacks (tests/e2e/stack.py) in turn, on the machine's NATS and Postgres (`PDS_TEST_NATS_URL`,
+`PDS_TEST_DATABASE_URL`, as the tests use them), each with a database, stream and subject prefix of its
+own: colocated (one unified worker), disaggregated with `PDS_KV_TRANSFER_MODE=layerwise`, and
+disaggregated with `naive` (every layer sent after the whole prefill). Each point is `--requests`
+one-token completions of a prompt of random token ids (a fresh prompt each time, so no prefix cache hit),
+after one warm-up. TTFT is the coordinator's `RequestCompleted.ttft.ttft_s` (gateway receive → first
+token out of the decode worker); `exposed_transfer_s` beside it is that breakdown's own field.
+
+One layer's transfer time is measured where it happens: the naive stack's exposed transfer divided by
+the number of layers (naive sends all layers back to back after prefill, so its exposure is the whole
+transfer). The issue's target: layer-wise exposes at most 1.5x one layer's transfer time.
+Writes exposed_transfer.json, .md and .png under `--out`.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import random
+import statistics
+import sys
+import time
+import uuid
+from pathlib import Path
+
+import httpx
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+
+from pdserve.config import CommonSettings  # noqa: E402
+from pdserve.service_plan import ServiceSpec  # noqa: E402
+from pdserve.store.migrate import create_database, drop_database, upgrade  # noqa: E402
+from tests.e2e.stack import Stack  # noqa: E402
+
+MODEL = "SmolLM2-135M-Instruct"
+VARIANTS = [("colocated", "colocated", None), ("layer-wise", "disaggregated", "layerwise"),
+            ("naive", "disaggregated", "naive")]
+
+
+class ModeStack(Stack):
+    """A Stack whose workers use `transfer_mode`."""
+
+    def __init__(self, *args, transfer_mode: str | None, **kw) -> None:
+        super().__init__(*args, **kw)
+        self.transfer_mode = transfer_mode
+
+    def env(self, spec: ServiceSpec) -> dict[str, str]:
+        env = super().env(spec)
+        if self.transfer_mode:
+            env["PDS_KV_TRANSFER_MODE"] = self.transfer_mode
+        env["PDS_KV_CAPACITY_TOKENS"] = "8192"
+        env["PDS_MAX_NUM_BATCHED_TOKENS"] = "2048"  # one prefill chunk per prompt: layer-wise per layer
+        return env
+
+
+def completed_event(url: str, request_id: str, timeout_s: float = 60.0) -> dict:
+    deadline = time.monotonic() + timeout_s
+    while time.monotonic() < deadline:
+        r = httpx.get(f"{url}/v1/requests/{request_id}")
+        if r.status_code == 200:
+            events = r.json()["events"]
+            done = [e for e in events if e["type"] == "RequestCompleted"]
+            if done:
+                xfer = [e for e in events if e["type"] == "TransferCompleted"]
+                return {"ttft": done[0]["payload"]["ttft"], "transfer": xfer[-1]["payload"] if xfer else None}
+        time.sleep(0.3)
+    raise TimeoutError(f"RequestCompleted of {request_id} not recorded in {timeout_s} s")
+
+
+def one_request(stack: Stack, n_tokens: int, rng: random.Random) -> dict:
+    prompt = [rng.randrange(1000, 40000) for _ in range(n_tokens)]
+    r = httpx.post(f"{stack.url}/v1/completions", timeout=300, json={
+        "model": MODEL, "prompt": prompt, "max_tokens": 1, "temperature": 0, "ignore_eos": True})
+    r.raise_for_status()
+    return completed_event(stack.url, r.headers["x-request-id"])
+
+
+def run_variant(name: str, mode: str, transfer_mode: str | None, base: CommonSettings, admin_url: str,
+                lengths: list[int], n_requests: int, model: str, var_dir: Path) -> dict[int, list[dict]]:
+    tag = f"xb{uuid.uuid4().hex[:8]}"
+    db = f"pdserve_bench_{tag}"
+    settings = base.model_copy(update={"database_url": create_database(admin_url, db),
+                                       "subject_prefix": tag, "events_stream": f"PDS_EVENTS_{tag}"})
+    upgrade(settings.database_url)
+    stack = ModeStack(settings, var_dir / name, model=model, mode=mode, n_prefill=1,
+                      n_decode=0 if mode == "colocated" else 1, transfer_mode=transfer_mode)
+    rng = random.Random(0)
+    results: dict[int, list[dict]] = {}
+    try:
+        stack.start(timeout_s=300)
+        one_request(stack, 64, rng)  # warm-up
+        for n in lengths:
+            results[n] = [one_request(stack, n, rng) for _ in range(n_requests)]
+            print(f"{name:10s} {n:5d} tokens TTFT "
+                  f"{[round(x['ttft']['ttft_s'] * 1e3) for x in results[n]]} ms", flush=True)
+    finally:
+        stack.stop()
+        drop_database(admin_url, db)
+    return results
+
+
+def summarise(raw: dict[str, dict[int, list[dict]]], lengths: list[int], num_layers: int) -> list[dict]:
+    rows = []
+    med = statistics.median
+    for n in lengths:
+        colo = med(x["ttft"]["ttft_s"] for x in raw["colocated"][n])
+        row: dict = {"prompt_tokens": n, "ttft_colocated_s": colo}
+        for v in ("layer-wise", "naive"):
+            pts = raw[v][n]
+            row[f"ttft_{v}_s"] = med(x["ttft"]["ttft_s"] for x in pts)
+            row[f"exposed_{v}_s"] = row[f"ttft_{v}_s"] - colo
+            row[f"breakdown_exposed_{v}_s"] = med(x["ttft"]["exposed_transfer_s"] for x in pts)
+            row["kv_bytes"] = int(med(x["transfer"]["kv_bytes"] for x in pts if x["transfer"]))
+        row["one_layer_transfer_s"] = max(row["breakdown_exposed_naive_s"], 0.0) / num_layers
+        row["layerwise_over_one_layer"] = (row["breakdown_exposed_layer-wise_s"] / row["one_layer_transfer_s"]
+                                           if row["one_layer_transfer_s"] > 0 else float("inf"))
+        rows.append(row)
+    return rows
+
+
+def write_reports(rows: list[dict], raw: dict, meta: dict, out: Path) -> None:
+    out.mkdir(parents=True, exist_ok=True)
+    (out / "exposed_transfer.json").write_text(json.dumps({"meta": meta, "rows": rows, "raw": raw}, indent=2))
+    ms = lambda s: f"{s * 1e3:.0f}"  # noqa: E731
+    lines = [
+        "# Exposed KV transfer: layer-wise vs naive",
+        "",
+        f"Generated by `python benchmarks/exposed_transfer.py` on {meta['when']} ({meta['machine']}), model "
+        f"{meta['model']} ({meta['num_layers']} layers), transport {meta['transport']}, median of "
+        f"{meta['requests']} one-token requests per point (fresh random prompts, no prefix hit).",
+        "Exposed = TTFT(disaggregated) - TTFT(colocated), both medians; 'breakdown' = the TTFT breakdown's "
+        "own `exposed_transfer_s` (transfer time after prefill finished). One layer's transfer = naive "
+        "breakdown exposure / layers. Target: layer-wise breakdown exposure ≤ 1.5× one layer's transfer.",
+        "",
+        "| prompt tokens | KV MiB | TTFT colocated ms | TTFT layer-wise ms | TTFT naive ms | exposed layer-wise ms "
+        "(breakdown) | exposed naive ms (breakdown) | one layer ms | layer-wise / one layer |",
+        "|---|---|---|---|---|---|---|---|---|",
+    ]
+    for r in rows:
+        lines.append(
+            f"| {r['prompt_tokens']} | {r['kv_bytes'] / 2**20:.1f} | {ms(r['ttft_colocated_s'])} | "
+            f"{ms(r['ttft_layer-wise_s'])} | {ms(r['ttft_naive_s'])} | {ms(r['exposed_layer-wise_s'])} "
+            f"({ms(r['breakdown_exposed_layer-wise_s'])}) | {ms(r['exposed_naive_s'])} "
+            f"({ms(r['breakdown_exposed_naive_s'])}) | {r['one_layer_transfer_s'] * 1e3:.2f} | "
+            f"{r['layerwise_over_one_layer']:.1f} |")
+    (out / "exposed_transfer.md").write_text("\n".join(lines) + "\n")
+
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    fig, ax = plt.subplots(figsize=(8, 4.5))
+    xs = [r["prompt_tokens"] for r in rows]
+    for key, label in (("exposed_layer-wise_s", "layer-wise (TTFT diff)"), ("exposed_naive_s", "naive (TTFT diff)"),
+                       ("breakdown_exposed_layer-wise_s", "layer-wise (breakdown)"),
+                       ("breakdown_exposed_naive_s", "naive (breakdown)")):
+        ax.plot(xs, [r[key] * 1e3 for r in rows], marker="o", label=label)
+    ax.plot(xs, [1.5 * r["one_layer_transfer_s"] * 1e3 for r in rows], "k--", label="1.5 × one layer")
+    ax.set_xscale("log", base=2)
+    ax.set_xlabel("prompt tokens")
+    ax.set_ylabel("exposed transfer (ms)")
+    ax.set_title(f"Exposed KV transfer, {meta['model']}")
+    ax.legend(fontsize=8)
+    fig.tight_layout()
+    fig.savefig(out / "exposed_transfer.png", dpi=120)
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("--lengths", type=int, nargs="+", default=[128, 512, 1024, 2048])
+    ap.add_argument("--requests", type=int, default=2)
+    ap.add_argument("--model", default="smollm2")
+    ap.add_argument("--out", type=Path, default=Path("docs/benchmarks"))
+    ap.add_argument("--var-dir", type=Path, default=Path("var/bench/exposed_transfer"))
+    args = ap.parse_args()
+    admin_url = os.environ.get("PDS_TEST_DATABASE_URL", "postgresql+asyncpg://postgres@127.0.0.1:5432/postgres")
+    base = CommonSettings(nats_url=os.environ.get("PDS_TEST_NATS_URL", "nats://127.0.0.1:4222"),
+                          var_dir=Path("var").resolve())
+    raw: dict[str, dict[int, list[dict]]] = {}
+    for name, mode, transfer_mode in VARIANTS:
+        raw[name] = run_variant(name, mode, transfer_mode, base, admin_url, args.lengths, args.requests,
+                                args.model, args.var_dir.resolve())
+    from pdserve.engine.loader import load_model
+
+    num_layers = load_model(args.model, base.var_dir / "weights").config.num_layers
+    import platform
+
+    meta = {"when": time.strftime("%Y-%m-%d %H:%M"), "machine": f"{platform.machine()}, {os.cpu_count()} cores",
+            "model": args.model, "num_layers": num_layers, "requests": args.requests,
+            "transport": os.environ.get("PDS_KV_TRANSPORT", "ucxx")}
+    rows = summarise(raw, args.lengths, num_layers)
+    write_reports(rows, {k: {str(n): v for n, v in d.items()} for k, d in raw.items()}, meta, args.out)
+    print((args.out / "exposed_transfer.md").read_text())
+
+
+if __name__ == "__main__":
+    main()
