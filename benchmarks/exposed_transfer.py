@@ -55,6 +55,7 @@ class ModeStack(Stack):
         if self.transfer_mode:
             env["PDS_KV_TRANSFER_MODE"] = self.transfer_mode
         env["PDS_KV_CAPACITY_TOKENS"] = "8192"
+        env["PDS_MAX_MODEL_LEN"] = "4096"  # a 2048-token prompt plus its one output token
         env["PDS_MAX_NUM_BATCHED_TOKENS"] = "2048"  # one prefill chunk per prompt: layer-wise per layer
         return env
 
@@ -138,7 +139,8 @@ def write_reports(rows: list[dict], raw: dict, meta: dict, out: Path) -> None:
         "own `exposed_transfer_s` (transfer time after prefill finished). One layer's transfer = naive "
         "breakdown exposure / layers. Target: layer-wise breakdown exposure ≤ 1.5× one layer's transfer.",
         "",
-        "| prompt tokens | KV MiB | TTFT colocated ms | TTFT layer-wise ms | TTFT naive ms | exposed layer-wise ms "
+        "| prompt tokens | KV MiB | TTFT colocated ms | TTFT layer-wise ms | TTFT naive ms "
+        "| exposed layer-wise ms "
         "(breakdown) | exposed naive ms (breakdown) | one layer ms | layer-wise / one layer |",
         "|---|---|---|---|---|---|---|---|---|",
     ]
@@ -158,7 +160,8 @@ def write_reports(rows: list[dict], raw: dict, meta: dict, out: Path) -> None:
 
     fig, ax = plt.subplots(figsize=(8, 4.5))
     xs = [r["prompt_tokens"] for r in rows]
-    for key, label in (("exposed_layer-wise_s", "layer-wise (TTFT diff)"), ("exposed_naive_s", "naive (TTFT diff)"),
+    for key, label in (("exposed_layer-wise_s", "layer-wise (TTFT diff)"),
+                       ("exposed_naive_s", "naive (TTFT diff)"),
                        ("breakdown_exposed_layer-wise_s", "layer-wise (breakdown)"),
                        ("breakdown_exposed_naive_s", "naive (breakdown)")):
         ax.plot(xs, [r[key] * 1e3 for r in rows], marker="o", label=label)
@@ -192,7 +195,8 @@ def main() -> None:
     num_layers = load_model(args.model, base.var_dir / "weights").config.num_layers
     import platform
 
-    meta = {"when": time.strftime("%Y-%m-%d %H:%M"), "machine": f"{platform.machine()}, {os.cpu_count()} cores",
+    meta = {"when": time.strftime("%Y-%m-%d %H:%M"),
+            "machine": f"{platform.machine()}, {os.cpu_count()} cores",
             "model": args.model, "num_layers": num_layers, "requests": args.requests,
             "transport": os.environ.get("PDS_KV_TRANSPORT", "ucxx")}
     rows = summarise(raw, args.lengths, num_layers)

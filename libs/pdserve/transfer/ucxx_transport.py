@@ -12,9 +12,9 @@ the header on `_CONTROL_TAG` and the payload on a tag unique to this sender (ran
 
 Configuration: shared memory (`UCX_TLS=sm,self`; DESIGN §9 measured bare ucxx at 5.4 / 7.0 / 7.7 GB/s at
 1 / 16 / 256 MiB, against 1.9-2.0 for UCX over TCP), `endpoint_error_handling=False`, and a UCX progress
-thread (see `_DEFAULT_PROGRESS_MODE`). With error handling off a dead peer is not reported here: workers detect it by
-heartbeats. `UCX_TLS` / `UCXPY_PROGRESS_MODE` in the environment override the defaults (e.g. `tcp,self`
-between hosts). UCX is configured once per process, at the first `start()`.
+thread (see `_DEFAULT_PROGRESS_MODE`). With error handling off a dead peer is not reported here: workers
+detect it by heartbeats. `UCX_TLS` / `UCXPY_PROGRESS_MODE` in the environment override the defaults (e.g.
+`tcp,self` between hosts). UCX is configured once per process, at the first `start()`.
 """
 
 from __future__ import annotations

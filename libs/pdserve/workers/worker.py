@@ -92,7 +92,9 @@ class Worker:
             loaded.tokenizer.stop_token_ids,
         )
         if settings.kv_transfer_mode not in TRANSFER_MODES:
-            raise ValueError(f"kv_transfer_mode {settings.kv_transfer_mode!r}: expected one of {TRANSFER_MODES}")
+            raise ValueError(
+                f"kv_transfer_mode {settings.kv_transfer_mode!r}: expected one of {TRANSFER_MODES}"
+            )
         self.transport = transport
         self.transfers_sent = 0  # KV transfers this worker began sending (drives kv_corrupt_every_n)
         self.slots = SlotTable()
