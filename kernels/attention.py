@@ -44,7 +44,7 @@ def causal_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch
 
 
 def _prefill_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, past: int) -> torch.Tensor:
-    """`causal_attention` for several queries through SDPA: shapes as there, `past` = num_keys - num_tokens."""
+    """`causal_attention` for several queries, through SDPA; `past` = num_keys - num_tokens."""
     num_tokens, num_keys = q.shape[0], k.shape[0]
     mask = None
     if past:  # query i sees keys 0..past + i; SDPA's own `is_causal` aligns the diagonal top-left instead
