@@ -110,6 +110,9 @@ class SamplingParams(Message):
     seed: int | None = None
     stop_token_ids: tuple[int, ...] = ()
     ignore_eos: bool = False
+    logprobs: int | None = Field(
+        None, ge=0, le=5, description="Return each sampled token's logprob and its `logprobs` most likely "
+        "alternatives (vLLM's `logprobs`); None = off.")
 
 
 class CompatibilityDescriptor(Message):
@@ -176,6 +179,16 @@ class Abort(Message):
     finish_reason: FinishReason | None = None
 
 
+class TokenLogprobs(Message):
+    """One output token's log-probability under the model's raw distribution (log-softmax of the logits,
+    before temperature / top-k / top-p: vLLM's default `logprobs_mode="raw_logprobs"`), and the `top`
+    most likely tokens as (token_id, logprob), most likely first."""
+
+    token_id: int
+    logprob: float
+    top: tuple[tuple[int, float], ...] = ()
+
+
 class TokenChunk(Message):
     """Tokens of one request, streamed on pds.tokens.<request_id>. `index` is the position of
     `token_ids[0]` in the output, so a receiver can drop repeats and detect gaps. The last chunk has
@@ -186,6 +199,8 @@ class TokenChunk(Message):
     token_ids: tuple[int, ...] = ()
     finish_reason: FinishReason | None = None
     error: str | None = None
+    logprobs: tuple[TokenLogprobs, ...] | None = Field(
+        None, description="Aligned with token_ids, when the request asked for logprobs.")
 
 
 # ---------------------------------------------------------------- coordinator ↔ router
@@ -279,6 +294,7 @@ class PrefillResult(Message):
         "transfer carries rows decode_num_cached_tokens.. of the prompt, landing at row 0 of its buffers.")
     cache_salt: str | None = Field(None, description="Extra prefix-cache key (Submit.cache_salt).")
     prefill_s: float
+    first_token_logprobs: TokenLogprobs | None = None
 
 
 class StartDecode(Message):
@@ -293,6 +309,7 @@ class StartDecode(Message):
     prompt_token_ids: tuple[int, ...]
     sampling: SamplingParams
     output_start_index: int = Field(0, ge=0)
+    first_token_logprobs: TokenLogprobs | None = Field(None, description="PrefillResult.first_token_logprobs.")
 
 
 class DecodeAdmitted(Message):

@@ -5,7 +5,7 @@ from __future__ import annotations
 
 import torch
 
-from pdserve.engine.sampler import Sampler, sampling_probs
+from pdserve.engine.sampler import Sampler, sampling_probs, token_logprobs
 from pdserve.messages import SamplingParams
 
 # probabilities 0.5, 0.3, 0.15, 0.05 (as logits), token order scrambled so index != rank
@@ -74,3 +74,27 @@ def test_draw_frequencies_follow_the_distribution() -> None:
         torch.tensor(draws(SamplingParams(temperature=1.0, seed=7), LOGITS, 20_000)), minlength=4
     )
     torch.testing.assert_close(counts / 20_000, PROBS, atol=0.015, rtol=0)
+
+
+def test_logprobs_are_the_raw_log_softmax_and_greedy_picks_the_top_one() -> None:
+    logits = torch.randn(1000, generator=torch.Generator().manual_seed(3))
+    # temperature and top-p do not change the reported logprobs: they are the model's raw distribution
+    sampler = Sampler(SamplingParams(temperature=0.0, top_p=0.5, logprobs=5))
+    token = sampler.sample(logits)
+    lp = sampler.logprobs(logits, token)
+    reference = torch.log_softmax(logits.float(), dim=-1)
+    assert lp is not None and lp.token_id == token == int(reference.argmax())
+    assert abs(lp.logprob - float(reference[token])) < 1e-6
+    ranked = torch.sort(reference, descending=True)
+    assert [t for t, _ in lp.top] == ranked.indices[:5].tolist()
+    assert torch.allclose(torch.tensor([v for _, v in lp.top]), ranked.values[:5])
+    assert lp.logprob == max(v for _, v in lp.top)
+
+
+def test_logprobs_of_a_sampled_token_are_reported_for_that_token() -> None:
+    lp = token_logprobs(LOGITS, 2, 0)
+    assert lp.token_id == 2 and abs(lp.logprob - float(PROBS.log()[2])) < 1e-6 and lp.top == ()
+
+
+def test_no_logprobs_unless_asked() -> None:
+    assert Sampler(SamplingParams(temperature=0.0)).logprobs(LOGITS, 1) is None

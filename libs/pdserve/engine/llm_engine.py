@@ -15,7 +15,7 @@ from pdserve.engine.model_runner import ModelRunner
 from pdserve.engine.scheduler import CannotFit, ScheduledSeq, Scheduler, SchedulerConfig
 from pdserve.engine.sequence import Sequence, SequenceStatus
 from pdserve.kernels.kv_pack import pack_kv, token_slots
-from pdserve.messages import FinishReason
+from pdserve.messages import FinishReason, TokenLogprobs
 
 __all__ = ["CannotFit", "EngineConfig", "EngineStats", "LLMEngine", "NoFreeBlocks", "StepOutput"]
 
@@ -37,7 +37,8 @@ class StepOutput(NamedTuple):
 
     `new_token_ids`: the token appended to the output ((), when it was a stop token, or for a prefill-only
     sequence); `sampled_token_id`: the token drawn; `finish_reason` set when the sequence ended (its blocks
-    are freed); `prefill_done`: a `stop_after_prefill` sequence finished its prompt (it is parked or freed).
+    are freed); `prefill_done`: a `stop_after_prefill` sequence finished its prompt (it is parked or freed);
+    `logprobs`: the sampled token's logprobs when its SamplingParams ask for them (else None).
     """
 
     seq: Sequence
@@ -45,6 +46,7 @@ class StepOutput(NamedTuple):
     new_token_ids: tuple[int, ...]
     finish_reason: FinishReason | None
     prefill_done: bool = False
+    logprobs: TokenLogprobs | None = None
 
 
 @dataclass
@@ -156,17 +158,18 @@ class LLMEngine:
             if seq.num_computed_tokens < len(seq):
                 continue  # a prefill chunk short of the prompt's end: nothing to sample
             token = seq.sampler.sample(row)
+            logprobs = seq.sampler.logprobs(row, token)
             if seq.stop_after_prefill:
                 self.scheduler.remove(seq)
                 if seq.free_after_prefill:
                     self.free(seq)
                 else:
                     seq.status = SequenceStatus.PARKED
-                results.append(StepOutput(seq, token, (), None, prefill_done=True))
+                results.append(StepOutput(seq, token, (), None, prefill_done=True, logprobs=logprobs))
                 continue
             reason = self._append(seq, token)
             appended = () if reason is FinishReason.STOP else (token,)
-            results.append(StepOutput(seq, token, appended, reason))
+            results.append(StepOutput(seq, token, appended, reason, logprobs=logprobs))
         return results
 
     def _planned_sends(self, batch: list[ScheduledSeq]) -> list[tuple[Sequence, int, torch.Tensor]]:

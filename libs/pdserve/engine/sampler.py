@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import torch
 
-from pdserve.messages import SamplingParams
+from pdserve.messages import SamplingParams, TokenLogprobs
 
 
 def sampling_probs(logits: torch.Tensor, temperature: float, top_k: int, top_p: float) -> torch.Tensor:
@@ -32,6 +32,20 @@ def sampling_probs(logits: torch.Tensor, temperature: float, top_k: int, top_p: 
     return probs
 
 
+def token_logprobs(logits: torch.Tensor, token_id: int, num_top: int) -> TokenLogprobs:
+    """`token_id`'s logprob and the `num_top` (0..5) most likely tokens' logprobs, from the last position's
+    logits [vocab_size] (any float dtype): log_softmax in fp32 over the raw logits, before temperature,
+    top-k and top-p — vLLM's default `logprobs_mode` "raw_logprobs"
+    (docs.vllm.ai/en/latest/configuration/engine_args.html, `--logprobs-mode`). Ties in the top list
+    are ordered as `torch.topk` returns them."""
+    logprobs = torch.log_softmax(logits.to(torch.float32), dim=-1)
+    top: tuple[tuple[int, float], ...] = ()
+    if num_top > 0:
+        values, ids = torch.topk(logprobs, num_top)
+        top = tuple(zip(ids.tolist(), values.tolist(), strict=True))
+    return TokenLogprobs(token_id=token_id, logprob=float(logprobs[token_id]), top=top)
+
+
 class Sampler:
     """Picks each next token of one sequence under its SamplingParams.
 
@@ -56,3 +70,8 @@ class Sampler:
             return int(torch.argmax(logits))
         probs = sampling_probs(logits, p.temperature, p.top_k, p.top_p)
         return int(torch.multinomial(probs, 1, generator=self._generator))
+
+    def logprobs(self, logits: torch.Tensor, token_id: int) -> TokenLogprobs | None:
+        """`token_logprobs` of the sampled `token_id` when the params ask for logprobs; None (no work) when not."""
+        num_top = self.params.logprobs
+        return None if num_top is None else token_logprobs(logits, token_id, num_top)
