@@ -302,6 +302,7 @@ class Phases:
                         prompt_token_ids=prompt,
                         sampling=self.submit.sampling,
                         output_start_index=start_index,
+                        first_token_logprobs=result.first_token_logprobs,
                     ),
                     DecodeAdmitted,
                     self.settings.prefill_timeout_s,

@@ -18,7 +18,7 @@ from pdserve.bus import BusTimeout, RejectedError
 from pdserve.engine.llm_engine import StepOutput
 from pdserve.engine.sequence import Sequence
 from pdserve.events import TokensCommitted
-from pdserve.messages import Ack, DecodeFinished, FinishReason, RejectCode, TokenChunk
+from pdserve.messages import Ack, DecodeFinished, FinishReason, RejectCode, TokenChunk, TokenLogprobs
 
 if TYPE_CHECKING:
     from pdserve.workers.worker import Worker
@@ -45,7 +45,7 @@ class EngineLoop:
         self.worker = worker
         self.engine = worker.engine
         self.streams: dict[str, DecodeStream] = {}
-        self.prefills: dict[str, asyncio.Future[int]] = {}
+        self.prefills: dict[str, asyncio.Future[tuple[int, TokenLogprobs | None]]] = {}
         self._wakeup = asyncio.Event()
 
     @property
@@ -55,10 +55,11 @@ class EngineLoop:
     def wake(self) -> None:
         self._wakeup.set()
 
-    def expect_prefill(self, request_id: str) -> asyncio.Future[int]:
-        """A future resolved with the first token when `request_id`'s `stop_after_prefill` sequence
-        finishes its prompt, or failed with RejectedError when it is released first."""
-        fut: asyncio.Future[int] = asyncio.get_running_loop().create_future()
+    def expect_prefill(self, request_id: str) -> asyncio.Future[tuple[int, TokenLogprobs | None]]:
+        """A future resolved with the first token and its logprobs (None unless the request asked) when
+        `request_id`'s `stop_after_prefill` sequence finishes its prompt, or failed with RejectedError when
+        it is released first."""
+        fut: asyncio.Future[tuple[int, TokenLogprobs | None]] = asyncio.get_running_loop().create_future()
         self.prefills[request_id] = fut
         return fut
 
@@ -85,9 +86,11 @@ class EngineLoop:
             if not outputs:
                 await asyncio.sleep(_IDLE_RETRY_S)
 
-    async def admit(self, seq: Sequence, first_token_id: int) -> float:
-        """Start decoding `seq` (prompt KV complete): stream the prompt's first token and join the batch.
-        Returns the first token's UNIX timestamp."""
+    async def admit(
+        self, seq: Sequence, first_token_id: int, first_logprobs: TokenLogprobs | None = None
+    ) -> float:
+        """Start decoding `seq` (prompt KV complete): stream the prompt's first token (with its logprobs,
+        when given) and join the batch. Returns the first token's UNIX timestamp."""
         stream = DecodeStream(
             seq, tracer.start_span("decode.generate", attributes={"pdserve.request_id": seq.request_id})
         )
@@ -95,7 +98,9 @@ class EngineLoop:
         async with self.worker.compute:
             reason = self.engine.admit(seq, first_token_id)
         stream.first_token_ts = time.time()
-        await self._emit(stream, () if reason is FinishReason.STOP else (first_token_id,), reason)
+        await self._emit(
+            stream, () if reason is FinishReason.STOP else (first_token_id,), reason, first_logprobs
+        )
         self.wake()
         return stream.first_token_ts
 
@@ -120,14 +125,18 @@ class EngineLoop:
         if out.prefill_done:
             fut = self.prefills.pop(rid, None)
             if fut is not None and not fut.done():
-                fut.set_result(out.sampled_token_id)
+                fut.set_result((out.sampled_token_id, out.logprobs))
             return
         stream = self.streams.get(rid)
         if stream is not None:
-            await self._emit(stream, out.new_token_ids, out.finish_reason)
+            await self._emit(stream, out.new_token_ids, out.finish_reason, out.logprobs)
 
     async def _emit(
-        self, stream: DecodeStream, token_ids: tuple[int, ...], reason: FinishReason | None
+        self,
+        stream: DecodeStream,
+        token_ids: tuple[int, ...],
+        reason: FinishReason | None,
+        logprobs: TokenLogprobs | None = None,
     ) -> None:
         seq, bus = stream.seq, self.worker.bus
         await bus.publish(
@@ -137,6 +146,8 @@ class EngineLoop:
                 index=seq.output_start_index + stream.num_streamed,
                 token_ids=token_ids,
                 finish_reason=reason,
+                # a stop token is not streamed, so neither are its logprobs
+                logprobs=(logprobs,) if logprobs is not None and token_ids else None,
             ),
         )
         stream.num_streamed += len(token_ids)

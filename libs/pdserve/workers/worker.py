@@ -230,7 +230,7 @@ class Worker:
             span.set_attribute("pdserve.request_id", req.request_id)
             span.set_attribute("pdserve.num_prompt_tokens", num_prompt)
             span.set_attribute("pdserve.local", local)
-            first_token = await first
+            first_token, first_logprobs = await first
             span.set_attribute("pdserve.num_cached_tokens", seq.num_cached_tokens)
             kv_bytes = sum(await asyncio.gather(*map(asyncio.wrap_future, sends)))
             if not local and held:
@@ -263,6 +263,7 @@ class Worker:
             num_computed_tokens=num_prompt - cached,
             kv_bytes=kv_bytes,
             prefill_s=prefill_s,
+            first_token_logprobs=first_logprobs,
         )
 
     def _inject_faults(self) -> None:
@@ -374,7 +375,7 @@ class Worker:
                 DecodeStarted(decode_worker_id=self.worker_id, num_running=self.loop.num_running + 1),
                 self.worker_id,
             )
-            first_token_ts = await self.loop.admit(seq, req.first_token_id)
+            first_token_ts = await self.loop.admit(seq, req.first_token_id, req.first_token_logprobs)
         return DecodeAdmitted(
             request_id=req.request_id,
             worker_id=self.worker_id,
