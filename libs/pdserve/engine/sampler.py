@@ -72,6 +72,7 @@ class Sampler:
         return int(torch.multinomial(probs, 1, generator=self._generator))
 
     def logprobs(self, logits: torch.Tensor, token_id: int) -> TokenLogprobs | None:
-        """`token_logprobs` of the sampled `token_id` when the params ask for logprobs; None (no work) when not."""
+        """`token_logprobs` of the sampled `token_id` when the params ask for logprobs; None (and no work)
+        when they do not."""
         num_top = self.params.logprobs
         return None if num_top is None else token_logprobs(logits, token_id, num_top)
