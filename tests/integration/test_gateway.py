@@ -28,7 +28,7 @@ from pdserve.bus import Bus, RejectedError
 from pdserve.config import CommonSettings, GatewaySettings, RecorderSettings
 from pdserve.engine.loader import load_tokenizer
 from pdserve.gateway.app import create_app
-from pdserve.messages import Abort, Accepted, Ack, FinishReason, RejectCode, Submit, TokenChunk
+from pdserve.messages import Abort, Accepted, Ack, FinishReason, RejectCode, Submit, TokenChunk, TokenLogprobs
 from pdserve.store.queries import make_engine
 from pdserve.store.recorder import Recorder, caught_up
 
@@ -546,3 +546,82 @@ async def test_client_leaving_a_non_streamed_request_aborts_it(server_url, coord
     rid = coord.submits[before].request_id
     abort = await coord.abort_of(rid)
     assert abort.reason == "client disconnected"
+
+
+# ------------------------------------------------------------------ logprobs
+
+
+def with_logprobs(ids: list[int], per_chunk: int = 3) -> Script:
+    """Chunks of `ids` carrying made-up logprobs: token i has logprob -i/10 and tops (i, -i/10), (0, -9)."""
+    def entry(i: int) -> TokenLogprobs:
+        return TokenLogprobs(token_id=ids[i], logprob=-i / 10, top=((ids[i], -i / 10), (0, -9.0)))
+
+    def script(req: Submit) -> list[TokenChunk | float]:
+        assert req.sampling.logprobs is not None
+        chunks: list[TokenChunk | float] = [
+            TokenChunk(request_id=req.request_id, index=i, token_ids=tuple(ids[i:i + per_chunk]),
+                       logprobs=tuple(entry(j) for j in range(i, min(i + per_chunk, len(ids)))))
+            for i in range(0, len(ids), per_chunk)
+        ]
+        chunks.append(TokenChunk(request_id=req.request_id, index=len(ids),
+                                 finish_reason=FinishReason.LENGTH))
+        return chunks
+
+    return script
+
+
+@pytest.mark.parametrize("stream", [False, True])
+async def test_completion_logprobs_give_each_token_its_string_logprob_top_and_offset(
+        client, coord, tokenizer, stream):
+    ids = answer_ids(tokenizer)
+    coord.script = with_logprobs(ids)
+    r = await client.post("/v1/completions", json={"model": MODEL, "prompt": "Q:", "max_tokens": len(ids),
+                                                   "logprobs": 1, "stream": stream})
+    assert r.status_code == 200, r.text
+    rid = r.headers["x-request-id"]
+    assert next(s for s in coord.submits if s.request_id == rid).sampling.logprobs == 1
+    if stream:
+        parts = [c["choices"][0] for c in sse_events(r.text)[:-1] if c["choices"][0]["logprobs"]]
+        lp = {k: [x for p in parts for x in p["logprobs"][k]] for k in parts[0]["logprobs"]}
+        text = "".join(p["text"] for p in parts)
+    else:
+        choice = r.json()["choices"][0]
+        lp, text = choice["logprobs"], choice["text"]
+    assert text == ANSWER
+    tokens = [tokenizer.decode([t]) for t in ids]
+    assert lp["tokens"] == tokens
+    assert lp["token_logprobs"] == pytest.approx([-i / 10 for i in range(len(ids))])
+    assert lp["top_logprobs"][3] == {tokens[3]: pytest.approx(-0.3), tokenizer.decode([0]): -9.0}
+    # each token's text starts where the text of the tokens before it ends
+    assert lp["text_offset"] == [len(tokenizer.decode(ids[:i])) for i in range(len(ids))]
+
+
+@pytest.mark.parametrize("stream", [False, True])
+async def test_chat_logprobs_give_content_entries_with_bytes_and_top_logprobs(
+        client, coord, tokenizer, stream):
+    ids = answer_ids(tokenizer)
+    coord.script = with_logprobs(ids)
+    r = await client.post("/v1/chat/completions", json={
+        "model": MODEL, "messages": [{"role": "user", "content": "Capital of France?"}], "max_tokens": 50,
+        "logprobs": True, "top_logprobs": 2, "stream": stream})
+    assert r.status_code == 200, r.text
+    if stream:
+        content = [x for c in sse_events(r.text)[:-1] if c["choices"] and c["choices"][0]["logprobs"]
+                   for x in c["choices"][0]["logprobs"]["content"]]
+    else:
+        content = r.json()["choices"][0]["logprobs"]["content"]
+    assert len(content) == len(ids)
+    first = content[1]
+    token = tokenizer.decode([ids[1]])
+    assert first == {"token": token, "logprob": pytest.approx(-0.1), "bytes": list(token.encode()),
+                     "top_logprobs": [
+                         {"token": token, "logprob": pytest.approx(-0.1), "bytes": list(token.encode())},
+                         {"token": tokenizer.decode([0]), "logprob": -9.0,
+                          "bytes": list(tokenizer.decode([0]).encode())}]}
+
+
+async def test_chat_top_logprobs_above_five_is_a_400(client, coord):
+    r = await client.post("/v1/chat/completions", json={
+        "model": MODEL, "messages": [{"role": "user", "content": "hi"}], "logprobs": True, "top_logprobs": 6})
+    assert r.status_code == 400
+    assert set(r.json()["error"]) == {"message", "type", "param", "code"}

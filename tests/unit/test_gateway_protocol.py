@@ -63,7 +63,9 @@ def assert_openai_error(err: APIError, status: int, param: str | None = None) ->
     ({**CHAT, "seed": 1.5}, "seed"),
     ({**CHAT, "stream": "maybe"}, "stream"),
     ({**CHAT, "stream_options": {"include_usage": True}}, None),
-    ({**CHAT, "logprobs": True}, None),
+    ({**CHAT, "logprobs": True, "top_logprobs": 6}, None),
+    ({**CHAT, "top_logprobs": 2}, None),
+    ({**CHAT, "logprobs": True, "top_logprobs": 21}, "top_logprobs"),
     ({**CHAT, "presence_penalty": 0.5}, None),
     ({"messages": CHAT["messages"], "model": 7}, "model"),
 ])
@@ -83,7 +85,7 @@ def test_bad_chat_request_is_a_400_in_openai_shape(body, param):
     {**COMPLETION, "prompt": [1, -3]},
     {**COMPLETION, "prompt": {"text": "hi"}},
     {**COMPLETION, "echo": True},
-    {**COMPLETION, "logprobs": 2},
+    {**COMPLETION, "logprobs": 6},
     {**COMPLETION, "best_of": 3},
     {**COMPLETION, "max_tokens": 0},
 ])

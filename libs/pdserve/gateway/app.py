@@ -153,7 +153,7 @@ async def generate(request: Request, endpoint: Endpoint) -> Response:
         state.bus.spawn(gen.close())
         raise err from e
 
-    fmt = endpoint.formatter(request_id, model, req.include_usage)
+    fmt = endpoint.formatter(request_id, model, req.include_usage, token_text(state.tokenizer, prepared))
     headers = {REQUEST_ID_HEADER: request_id}
     if req.stream:
         return GenerationStream(event_stream(gen, fmt, observer, request), gen, observer,
@@ -186,10 +186,19 @@ async def resume(request: Request, request_id: str) -> Response:
                                        timeout_s=state.settings.request_timeout_s,
                                        gap_timeout_s=state.settings.token_gap_timeout_s)
     endpoint = CHAT if gen.received.endpoint == CHAT.path else COMPLETIONS
-    fmt = endpoint.formatter(request_id, gen.model, gen.include_usage)
+    fmt = endpoint.formatter(request_id, gen.model, gen.include_usage,
+                             token_text(state.tokenizer, gen.prepared))
     observer: Any = _Unobserved()
     return GenerationStream(event_stream(gen, fmt, observer, request, opening=last == 0), gen, observer,
                             headers={REQUEST_ID_HEADER: request_id, "Cache-Control": "no-cache"})
+
+
+def token_text(tokenizer: Tokenizer, prepared: PreparedRequest) -> Callable[[int], str] | None:
+    """A token id's string for logprobs (the decode of that one id, as vLLM returns it); None when the
+    request did not ask for logprobs."""
+    if prepared.sampling.logprobs is None:
+        return None
+    return lambda token_id: tokenizer.decode([token_id])
 
 
 async def parse(request: Request, endpoint: Endpoint) -> CompletionRequest | ChatCompletionRequest:

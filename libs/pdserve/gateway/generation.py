@@ -23,7 +23,7 @@ from pdserve.gateway.errors import APIError, from_rejection
 from pdserve.gateway.prompt import PreparedRequest, Tokenizer
 from pdserve.gateway.stop_strings import StopStringMatcher
 from pdserve.gateway.token_stream import ChunkReassembler
-from pdserve.messages import Abort, Accepted, Ack, FinishReason, Submit, TokenChunk
+from pdserve.messages import Abort, Accepted, Ack, FinishReason, Submit, TokenChunk, TokenLogprobs
 
 log = logging.getLogger(__name__)
 
@@ -45,11 +45,14 @@ _DISCONNECT = object()  # queue sentinel: wakes `deltas()` when the client leave
 @dataclass(frozen=True)
 class TextDelta:
     """New output text (may be empty), the completion tokens consumed so far, and the finish reason on
-    the last delta."""
+    the last delta. When the request asked for logprobs: `logprobs` of each token this delta covers and
+    `text_offsets`, where each one's text starts (characters from the start of the output)."""
 
     text: str
     num_output_tokens: int
     finish_reason: FinishReason | None = None
+    logprobs: tuple[TokenLogprobs, ...] = ()
+    text_offsets: tuple[int, ...] = ()
 
 
 class Generation:
@@ -117,22 +120,31 @@ class Generation:
         detokenizer = IncrementalDetokenizer(self._tokenizer, list(self.prepared.prompt_token_ids))
         stops = StopStringMatcher(self.prepared.stop)
         gap_deadline: float | None = None
+        text_len = 0  # characters of output text so far: the next token's text offset
         while True:
             chunk = await self._next_chunk(gap_deadline)
             ready = reassembler.push(chunk)
             if ready.token_ids and self.first_token_monotonic is None:
                 self.first_token_monotonic = time.monotonic()
             text = []
-            for token_id in ready.token_ids:  # one at a time, so the usage counts stop at a stop string
+            logprobs: list[TokenLogprobs] = []
+            offsets: list[int] = []
+            # one token at a time, so the usage counts stop at a stop string
+            for i, token_id in enumerate(ready.token_ids):
                 self.num_output_tokens += 1
                 match = stops.feed(detokenizer.add([token_id]))
+                offset, text_len = text_len, text_len + len(match.text)
                 if self.num_output_tokens <= self.resume_from:
                     continue  # a resumed stream: the client has this text already
                 text.append(match.text)
+                if i < len(ready.logprobs):
+                    logprobs.append(ready.logprobs[i])
+                    offsets.append(offset)
                 if match.stopped:
                     self.finish_reason = FinishReason.STOP
                     self.abort(STOP_STRING, FinishReason.STOP)
-                    yield TextDelta("".join(text), self.num_output_tokens, FinishReason.STOP)
+                    yield TextDelta("".join(text), self.num_output_tokens, FinishReason.STOP, tuple(logprobs),
+                                    tuple(offsets))
                     return
             if ready.error is not None:
                 self.ended = True
@@ -141,10 +153,11 @@ class Generation:
                 self.ended = True
                 self.finish_reason = ready.finish_reason
                 text.append(stops.flush())
-                yield TextDelta("".join(text), self.num_output_tokens, ready.finish_reason)
+                yield TextDelta("".join(text), self.num_output_tokens, ready.finish_reason, tuple(logprobs),
+                                tuple(offsets))
                 return
             if ready.token_ids:
-                yield TextDelta("".join(text), self.num_output_tokens)
+                yield TextDelta("".join(text), self.num_output_tokens, None, tuple(logprobs), tuple(offsets))
             if not reassembler.has_gap:
                 gap_deadline = None
             elif gap_deadline is None:

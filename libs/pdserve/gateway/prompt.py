@@ -95,6 +95,7 @@ def _prepared(req: CompletionRequest | ChatCompletionRequest, tokenizer: Tokeniz
             seed=req.seed,
             stop_token_ids=stop_ids,
             ignore_eos=req.ignore_eos,
+            logprobs=req.num_logprobs,
         )
     except ValueError as e:
         raise APIError(400, f"Invalid sampling parameters: {e}") from e

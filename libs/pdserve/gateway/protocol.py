@@ -4,8 +4,8 @@ Field names, types, ranges and defaults follow the OpenAI API reference
 (platform.openai.com/docs/api-reference) and vLLM's `vllm/entrypoints/openai/protocol.py`, so the official
 clients work unchanged. Extensions taken from vLLM: `top_k`, `stop_token_ids`, `ignore_eos`. Fields a
 client may send but that do not change what pdserve computes (`user`, `cache_salt`, `metadata`, `store`,
-...) are accepted and ignored; fields whose value pdserve cannot honour (`n` > 1, `logprobs`, `echo`,
-`tools`, a non-zero penalty) are refused with a 400 rather than silently ignored. Parsing errors are
+...) are accepted and ignored; fields whose value pdserve cannot honour (`n` > 1, more than 5 logprobs,
+`echo`, `tools`, a non-zero penalty) are refused with a 400 rather than silently ignored. Parsing errors are
 pydantic `ValidationError`s; `errors.api_error_from_validation` turns them into OpenAI's 400 shape.
 """
 
@@ -104,7 +104,7 @@ class CompletionRequest(_SamplingFields):
 
     prompt: str | list[TokenId] | list[str] | list[list[TokenId]]
     echo: bool = False
-    logprobs: int | None = None
+    logprobs: int | None = Field(None, ge=0, le=5, description="Top alternatives per output token (0..5).")
     best_of: int | None = None
     suffix: str | None = None
 
@@ -123,13 +123,16 @@ class CompletionRequest(_SamplingFields):
     def _unsupported_completion_fields(self) -> CompletionRequest:
         if self.echo:
             raise ValueError("echo is not supported")
-        if self.logprobs is not None:
-            raise ValueError("logprobs is not supported")
         if self.best_of not in (None, 1):
             raise ValueError("best_of must be 1")
         if self.suffix:
             raise ValueError("suffix is not supported")
         return self
+
+    @property
+    def num_logprobs(self) -> int | None:
+        """Alternatives per output token to return; None = no logprobs."""
+        return self.logprobs
 
 
 class TextPart(BaseModel):
@@ -165,7 +168,7 @@ class ChatCompletionRequest(_SamplingFields):
     messages: list[ChatMessage] = Field(min_length=1)
     max_completion_tokens: int | None = None
     logprobs: bool = False
-    top_logprobs: int | None = None
+    top_logprobs: int | None = Field(None, ge=0, le=20, description="OpenAI's range; pdserve serves up to 5.")
     tools: list[Any] | None = None
     tool_choice: Any = None
 
@@ -178,11 +181,18 @@ class ChatCompletionRequest(_SamplingFields):
 
     @model_validator(mode="after")
     def _unsupported_chat_fields(self) -> ChatCompletionRequest:
-        if self.logprobs or self.top_logprobs:
-            raise ValueError("logprobs is not supported")
+        if self.top_logprobs is not None and not self.logprobs:
+            raise ValueError("top_logprobs requires logprobs to be true")
+        if self.top_logprobs is not None and self.top_logprobs > 5:
+            raise ValueError("top_logprobs above 5 is not supported")
         if self.tools:
             raise ValueError("tools are not supported")
         return self
+
+    @property
+    def num_logprobs(self) -> int | None:
+        """Alternatives per output token to return; None = no logprobs."""
+        return (self.top_logprobs or 0) if self.logprobs else None
 
     @property
     def requested_max_tokens(self) -> int | None:

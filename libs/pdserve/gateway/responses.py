@@ -4,15 +4,26 @@ Shapes: OpenAI API reference ("The completion object", "The chat completion obje
 chunk object"). Ids are `cmpl-<request_id>` / `chatcmpl-<request_id>`. Streamed chunks are serialized with
 `exclude_unset`, so a field appears exactly when it is set: the first chat chunk carries the role, the last
 an empty delta with `finish_reason`, and `usage` is present (null until the final usage chunk) only when the
-client asked for `stream_options.include_usage`, as OpenAI does.
+client asked for `stream_options.include_usage`, as OpenAI does. `logprobs` (`pdserve.gateway.logprobs`) is
+filled when the request asked for it (the formatter has a `token_text`), per chunk when streamed.
 """
 
 from __future__ import annotations
 
 import time
+from collections.abc import Sequence
 from typing import Literal
 
 from pydantic import BaseModel
+
+from pdserve.gateway.logprobs import (
+    ChatLogprobs,
+    CompletionLogprobs,
+    TokenText,
+    chat_logprobs,
+    completion_logprobs,
+)
+from pdserve.messages import TokenLogprobs
 
 
 class Usage(BaseModel):
@@ -29,7 +40,7 @@ class Usage(BaseModel):
 class CompletionChoice(BaseModel):
     index: int = 0
     text: str
-    logprobs: None = None
+    logprobs: CompletionLogprobs | None = None
     finish_reason: str | None = None
 
 
@@ -52,7 +63,7 @@ class AssistantMessage(BaseModel):
 class ChatChoice(BaseModel):
     index: int = 0
     message: AssistantMessage
-    logprobs: None = None
+    logprobs: ChatLogprobs | None = None
     finish_reason: str | None
 
 
@@ -73,7 +84,7 @@ class Delta(BaseModel):
 class ChatChunkChoice(BaseModel):
     index: int = 0
     delta: Delta
-    logprobs: None = None
+    logprobs: ChatLogprobs | None = None
     finish_reason: str | None = None
 
 
@@ -87,24 +98,32 @@ class ChatCompletionChunk(BaseModel):
 
 
 class Formatter:
-    """Builds one endpoint's bodies for one request. Subclasses: `CompletionFormatter`, `ChatFormatter`."""
+    """Builds one endpoint's bodies for one request. Subclasses: `CompletionFormatter`, `ChatFormatter`.
+
+    `token_text`: a token id's string (the tokenizer's decode of that one id) when the request asked for
+    logprobs; None = no logprobs. `logprobs` / `text_offsets` arguments: one item per output token covered
+    (`TextDelta`'s)."""
 
     id_prefix: str
 
-    def __init__(self, request_id: str, model: str, include_usage: bool = False) -> None:
+    def __init__(self, request_id: str, model: str, include_usage: bool = False,
+                 token_text: TokenText | None = None) -> None:
         self.id = f"{self.id_prefix}{request_id}"
         self.model = model
         self.created = int(time.time())
         self.include_usage = include_usage
+        self.token_text = token_text
 
-    def whole(self, text: str, finish_reason: str | None, usage: Usage) -> BaseModel:
+    def whole(self, text: str, finish_reason: str | None, usage: Usage,
+              logprobs: Sequence[TokenLogprobs] = (), text_offsets: Sequence[int] = ()) -> BaseModel:
         raise NotImplementedError
 
     def opening_chunks(self) -> list[BaseModel]:
         """Chunks sent as soon as the request is accepted (before any token)."""
         return []
 
-    def text_chunk(self, text: str, finish_reason: str | None = None) -> BaseModel:
+    def text_chunk(self, text: str, finish_reason: str | None = None, logprobs: Sequence[TokenLogprobs] = (),
+                   text_offsets: Sequence[int] = ()) -> BaseModel:
         raise NotImplementedError
 
     def usage_chunk(self, usage: Usage) -> BaseModel:
@@ -117,12 +136,17 @@ class Formatter:
 class CompletionFormatter(Formatter):
     id_prefix = "cmpl-"
 
-    def whole(self, text: str, finish_reason: str | None, usage: Usage) -> CompletionResponse:
+    def whole(self, text: str, finish_reason: str | None, usage: Usage,
+              logprobs: Sequence[TokenLogprobs] = (), text_offsets: Sequence[int] = ()) -> CompletionResponse:
+        choice = CompletionChoice(text=text, finish_reason=finish_reason,
+                                  logprobs=self._logprobs(logprobs, text_offsets))
         return CompletionResponse(id=self.id, created=self.created, model=self.model, usage=usage,
-                                  choices=[CompletionChoice(text=text, finish_reason=finish_reason)])
+                                  choices=[choice])
 
-    def text_chunk(self, text: str, finish_reason: str | None = None) -> CompletionResponse:
-        choice = CompletionChoice(index=0, text=text, logprobs=None, finish_reason=finish_reason)
+    def text_chunk(self, text: str, finish_reason: str | None = None, logprobs: Sequence[TokenLogprobs] = (),
+                   text_offsets: Sequence[int] = ()) -> CompletionResponse:
+        choice = CompletionChoice(index=0, text=text, logprobs=self._logprobs(logprobs, text_offsets),
+                                  finish_reason=finish_reason)
         return CompletionResponse(id=self.id, object="text_completion", created=self.created,
                                   model=self.model, choices=[choice], **self._usage_field())
 
@@ -130,26 +154,39 @@ class CompletionFormatter(Formatter):
         return CompletionResponse(id=self.id, object="text_completion", created=self.created,
                                   model=self.model, choices=[], usage=usage)
 
+    def _logprobs(self, entries: Sequence[TokenLogprobs],
+                  offsets: Sequence[int]) -> CompletionLogprobs | None:
+        return None if self.token_text is None else completion_logprobs(entries, offsets, self.token_text)
+
 
 class ChatFormatter(Formatter):
     id_prefix = "chatcmpl-"
 
-    def whole(self, text: str, finish_reason: str | None, usage: Usage) -> ChatCompletionResponse:
-        choice = ChatChoice(message=AssistantMessage(content=text), finish_reason=finish_reason)
+    def whole(self, text: str, finish_reason: str | None, usage: Usage,
+              logprobs: Sequence[TokenLogprobs] = (),
+              text_offsets: Sequence[int] = ()) -> ChatCompletionResponse:
+        choice = ChatChoice(message=AssistantMessage(content=text), finish_reason=finish_reason,
+                            logprobs=self._logprobs(logprobs))
         return ChatCompletionResponse(id=self.id, created=self.created, model=self.model, choices=[choice],
                                       usage=usage)
 
     def opening_chunks(self) -> list[BaseModel]:
         return [self._chunk(Delta(role="assistant", content=""), None)]
 
-    def text_chunk(self, text: str, finish_reason: str | None = None) -> ChatCompletionChunk:
-        return self._chunk(Delta(content=text) if text else Delta(), finish_reason)
+    def text_chunk(self, text: str, finish_reason: str | None = None, logprobs: Sequence[TokenLogprobs] = (),
+                   text_offsets: Sequence[int] = ()) -> ChatCompletionChunk:
+        delta = Delta(content=text) if text or logprobs else Delta()
+        return self._chunk(delta, finish_reason, self._logprobs(logprobs) if logprobs else None)
 
     def usage_chunk(self, usage: Usage) -> ChatCompletionChunk:
         return ChatCompletionChunk(id=self.id, object="chat.completion.chunk", created=self.created,
                                    model=self.model, choices=[], usage=usage)
 
-    def _chunk(self, delta: Delta, finish_reason: str | None) -> ChatCompletionChunk:
-        choice = ChatChunkChoice(index=0, delta=delta, logprobs=None, finish_reason=finish_reason)
+    def _logprobs(self, entries: Sequence[TokenLogprobs]) -> ChatLogprobs | None:
+        return None if self.token_text is None else chat_logprobs(entries, self.token_text)
+
+    def _chunk(self, delta: Delta, finish_reason: str | None,
+               logprobs: ChatLogprobs | None = None) -> ChatCompletionChunk:
+        choice = ChatChunkChoice(index=0, delta=delta, logprobs=logprobs, finish_reason=finish_reason)
         return ChatCompletionChunk(id=self.id, object="chat.completion.chunk", created=self.created,
                                    model=self.model, choices=[choice], **self._usage_field())

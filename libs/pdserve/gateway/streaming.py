@@ -23,6 +23,7 @@ from pdserve.gateway.errors import APIError
 from pdserve.gateway.generation import ClientDisconnected, Generation
 from pdserve.gateway.observe import RequestObserver
 from pdserve.gateway.responses import Formatter, Usage
+from pdserve.messages import TokenLogprobs
 
 log = logging.getLogger(__name__)
 
@@ -62,8 +63,9 @@ async def event_stream(gen: Generation, fmt: Formatter, observer: RequestObserve
             for chunk in fmt.opening_chunks():
                 yield sse(chunk, 0)
         async for delta in gen.deltas():
-            if delta.text:
-                yield sse(fmt.text_chunk(delta.text), delta.num_output_tokens)
+            if delta.text or delta.logprobs:
+                yield sse(fmt.text_chunk(delta.text, None, delta.logprobs, delta.text_offsets),
+                          delta.num_output_tokens)
             if delta.finish_reason is not None:
                 yield sse(fmt.text_chunk("", delta.finish_reason.value), delta.num_output_tokens)
         if fmt.include_usage:
@@ -95,10 +97,15 @@ async def collect(gen: Generation, fmt: Formatter, observer: RequestObserver, re
     error: str | None = None
     try:
         parts: list[str] = []
+        logprobs: list[TokenLogprobs] = []
+        offsets: list[int] = []
         async for delta in gen.deltas():
             parts.append(delta.text)
+            logprobs.extend(delta.logprobs)
+            offsets.extend(delta.text_offsets)
         usage = Usage.of(gen.num_prompt_tokens, gen.num_output_tokens)
-        return fmt.whole("".join(parts), gen.finish_reason.value if gen.finish_reason else None, usage)
+        return fmt.whole("".join(parts), gen.finish_reason.value if gen.finish_reason else None, usage,
+                         logprobs, offsets)
     except APIError as e:
         status, error = e.status, e.message
         raise

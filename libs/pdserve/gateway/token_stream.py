@@ -10,16 +10,18 @@ from __future__ import annotations
 
 from typing import NamedTuple
 
-from pdserve.messages import FinishReason, TokenChunk
+from pdserve.messages import FinishReason, TokenChunk, TokenLogprobs
 
 
 class Ready(NamedTuple):
     """Output that is now contiguous: new `token_ids` in order, and the end of the stream if it came
-    (`finish_reason` on completion, `error` on failure)."""
+    (`finish_reason` on completion, `error` on failure). `logprobs`: aligned with `token_ids` when the
+    chunks carried them (the request asked for logprobs), else empty."""
 
     token_ids: list[int]
     finish_reason: FinishReason | None = None
     error: str | None = None
+    logprobs: tuple[TokenLogprobs, ...] = ()
 
     @property
     def done(self) -> bool:
@@ -48,6 +50,7 @@ class ChunkReassembler:
             return Ready([])
         self._keep(chunk)
         tokens: list[int] = []
+        logprobs: list[TokenLogprobs] = []
         while not self.done:
             usable = sorted(i for i in self._ahead if i <= self.next_index)
             if not usable:
@@ -56,16 +59,18 @@ class ChunkReassembler:
                 c = self._ahead.pop(index)
                 new = c.token_ids[self.next_index - index :]
                 tokens.extend(new)
+                if c.logprobs is not None:
+                    logprobs.extend(c.logprobs[self.next_index - index :])
                 self.next_index += len(new)
                 if c.finish_reason is not None or c.error is not None:
                     self.done = True
                     self._ahead.clear()
-                    return Ready(tokens, c.finish_reason, c.error)
+                    return Ready(tokens, c.finish_reason, c.error, tuple(logprobs))
         if chunk.error is not None:
             self.done = True
             self._ahead.clear()
-            return Ready(tokens, None, chunk.error)
-        return Ready(tokens)
+            return Ready(tokens, None, chunk.error, tuple(logprobs))
+        return Ready(tokens, logprobs=tuple(logprobs))
 
     def _keep(self, chunk: TokenChunk) -> None:
         """Store `chunk` unless an equal-or-better one with the same index is already held."""
