@@ -9,6 +9,7 @@ import openai
 import pytest
 import torch
 
+from pdserve.engine.kv_cache import SequenceKVCache
 from pdserve.engine.loader import load_model
 from pdserve.engine.model import LlamaModel, generate_greedy
 from pdserve.telemetry.spans import load_spans, spans_of_request
@@ -59,6 +60,30 @@ def test_greedy_tokens_through_the_stack_equal_one_process_without_transfer(tiny
         assert r.status_code == 200, r.text
         text = r.json()["choices"][0]["text"]
         assert text == loaded.tokenizer.decode(expected), prompt
+
+
+def test_greedy_logprobs_are_the_one_process_log_softmax_and_the_top_of_their_list(tiny_stack):
+    loaded = load_model("tiny", tiny_stack.settings.var_dir / "weights")
+    model = LlamaModel(loaded.config, loaded.weights)
+    prompt, max_tokens = PROMPTS[0], 6
+    ids = loaded.tokenizer.encode(prompt)
+    cache = SequenceKVCache(model.config, len(ids) + max_tokens)
+    logits = model.forward(torch.tensor(ids, dtype=torch.int64), cache)
+    expected: list[float] = []  # the reference: log_softmax of one process's logits at each chosen token
+    for _ in range(max_tokens):
+        token = int(torch.argmax(logits))
+        expected.append(float(torch.log_softmax(logits.float(), dim=-1)[token]))
+        logits = model.forward(torch.tensor([token], dtype=torch.int64), cache)
+    r = httpx.post(f"{tiny_stack.url}/v1/completions", timeout=60, json={
+        "model": "SmolLM2-135M-Instruct", "prompt": prompt, "max_tokens": max_tokens, "temperature": 0,
+        "ignore_eos": True, "logprobs": 5})
+    assert r.status_code == 200, r.text
+    lp = r.json()["choices"][0]["logprobs"]
+    # the first token was sampled on the prefill worker, the rest on the decode worker
+    assert len(lp["token_logprobs"]) == max_tokens
+    for chosen, top in zip(lp["token_logprobs"], lp["top_logprobs"], strict=True):
+        assert chosen == max(top.values()) and len(top) == 5
+    assert lp["token_logprobs"] == pytest.approx(expected, abs=1e-4)
 
 
 def test_stream_delivers_every_token_then_usage(client):
