@@ -5,7 +5,7 @@ from __future__ import annotations
 
 from pdserve.gateway.stop_strings import StopStringMatcher
 from pdserve.gateway.token_stream import ChunkReassembler
-from pdserve.messages import FinishReason, TokenChunk
+from pdserve.messages import FinishReason, TokenChunk, TokenLogprobs
 
 
 def chunk(index: int, *ids: int, finish: FinishReason | None = None, error: str | None = None) -> TokenChunk:
@@ -32,7 +32,7 @@ def test_finish_waits_for_the_tokens_before_it():
     r = ChunkReassembler()
     assert not r.push(chunk(2, 7, finish=FinishReason.LENGTH)).done
     ready = r.push(chunk(0, 5, 6))
-    assert ready == ([5, 6, 7], FinishReason.LENGTH, None) and r.done
+    assert ready == ([5, 6, 7], FinishReason.LENGTH, None, ()) and r.done
     assert r.push(chunk(3, 8)).token_ids == []
 
 
@@ -65,3 +65,16 @@ def test_earliest_of_several_stop_strings_wins():
 
 def test_no_stop_strings_passes_text_through():
     assert StopStringMatcher([]).feed("anything") == ("anything", False)
+
+
+def test_logprobs_stay_aligned_with_tokens_across_repeats_and_reordering():
+    def lp(t: int) -> TokenLogprobs:
+        return TokenLogprobs(token_id=t, logprob=-t / 10)
+
+    def with_lp(index: int, *ids: int) -> TokenChunk:
+        return TokenChunk(request_id="r", index=index, token_ids=ids, logprobs=tuple(lp(t) for t in ids))
+
+    r = ChunkReassembler()
+    assert r.push(with_lp(2, 7, 8)).logprobs == ()
+    ready = r.push(with_lp(0, 5, 6, 7))  # overlaps the held chunk by one token
+    assert ready.token_ids == [5, 6, 7, 8] and [e.token_id for e in ready.logprobs] == [5, 6, 7, 8]
