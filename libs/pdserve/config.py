@@ -131,13 +131,13 @@ class WorkerSettings(CommonSettings, ModelSettings):
     commit_every_tokens: int = Field(16, description="A TokensCommitted event every this many output tokens.")
     heartbeat_interval_s: float = Field(0.5, description="Heartbeat period.")
     torch_threads: int = Field(1, description="torch intra-op threads: one core per worker by default.")
-
-
-class RecorderSettings(CommonSettings):
-    batch_size: int = Field(500, description="Events fetched and written per transaction.")
-    fetch_timeout_s: float = Field(0.2, description="Longest wait for a batch to fill.")
     block_size: int = Field(16, description="Tokens per KV cache block (part of the compatibility descriptor).")
     kv_hash_seed: int = Field(0, description="Prefix-cache block hash seed; one for the whole cluster.")
     max_num_batched_tokens: int = Field(
         512, description="Tokens per engine step (decode tokens + prefill chunks): the chunked-prefill budget.")
     max_num_seqs: int = Field(64, description="Sequences in one worker's running batch at most.")
+
+
+class RecorderSettings(CommonSettings):
+    batch_size: int = Field(500, description="Events fetched and written per transaction.")
+    fetch_timeout_s: float = Field(0.2, description="Longest wait for a batch to fill.")

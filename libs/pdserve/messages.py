@@ -257,6 +257,9 @@ class ReserveRequest(Message):
     num_prompt_tokens: int = Field(ge=1)
     max_tokens: int = Field(ge=1)
     lease_s: float = Field(gt=0, description="The reservation expires unless started before then.")
+    prompt_token_ids: tuple[int, ...] = Field(
+        (), description="The prompt the KV will cover: the decode worker looks its prefix up in its own cache.")
+    cache_salt: str | None = Field(None, description="Extra prefix-cache key (Submit.cache_salt).")
 
 
 class Reservation(Message):
@@ -265,10 +268,10 @@ class Reservation(Message):
     worker_id: str
     endpoint: KVEndpoint
     num_tokens: int = Field(description="KV slots reserved: prompt + max_tokens.")
+    num_cached_tokens: int = Field(
+        0, description="Leading prompt tokens whose KV the decode worker already holds (its prefix cache, "
+        "whole blocks): the prefill worker sends only the KV of the tokens after them.")
 
-    prompt_token_ids: tuple[int, ...] = Field(
-        (), description="The prompt the KV will cover: the decode worker looks its prefix up in its own cache.")
-    cache_salt: str | None = Field(None, description="Extra prefix-cache key (Submit.cache_salt).")
 
 class PrefillRequest(Message):
     request_id: str
@@ -277,9 +280,10 @@ class PrefillRequest(Message):
     sampling: SamplingParams
     decode_worker_id: str
     endpoint: KVEndpoint
-    num_cached_tokens: int = Field(
-        0, description="Leading prompt tokens whose KV the decode worker already holds (its prefix cache, "
-        "whole blocks): the prefill worker sends only the KV of the tokens after them.")
+    decode_num_cached_tokens: int = Field(
+        0, ge=0, description="Reservation.num_cached_tokens: KV rows the decode worker already holds; the "
+        "transfer carries rows decode_num_cached_tokens.. of the prompt, landing at row 0 of its buffers.")
+    cache_salt: str | None = Field(None, description="Extra prefix-cache key (Submit.cache_salt).")
 
 
 class PrefillResult(Message):
@@ -289,10 +293,6 @@ class PrefillResult(Message):
     num_cached_tokens: int
     num_computed_tokens: int
     kv_bytes: int
-    decode_num_cached_tokens: int = Field(
-        0, ge=0, description="Reservation.num_cached_tokens: KV rows the decode worker already holds; the "
-        "transfer carries rows decode_num_cached_tokens.. of the prompt, landing at row 0 of its buffers.")
-    cache_salt: str | None = Field(None, description="Extra prefix-cache key (Submit.cache_salt).")
     prefill_s: float
     first_token_logprobs: TokenLogprobs | None = None
 
