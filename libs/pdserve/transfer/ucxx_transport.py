@@ -72,8 +72,10 @@ def _ucx_context():
             enable_python_future=os.environ.get("UCXPY_ENABLE_PYTHON_FUTURE", "1") != "0",
         )
     else:
-        # A later start() on another loop (tests run several) must progress the worker there too.
+        # A later start() on another loop (tests run several) must progress the worker there too, and
+        # needs a notifier thread bound to that loop (stop() ended the previous one).
         _context.continuous_ucx_progress(asyncio.get_running_loop())
+        _context.start_notifier_thread()
     return _context
 
 
@@ -117,6 +119,9 @@ class UcxxTransport(ChunkedTransport):
             # The control receive posted by the loop would otherwise stay posted and swallow the first
             # control message meant for a transport started later in this process.
             self._ctx.worker.cancel_inflight_requests()
+            # The notifier thread is not a daemon: left running, the process can never exit (Python joins
+            # it at shutdown). Joined from a thread because it may need this loop to finish its last round.
+            await asyncio.to_thread(self._ctx.stop_notifier_thread)
         for ep in self._endpoints.values():
             ep.abort()
         self._endpoints.clear()
