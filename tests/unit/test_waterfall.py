@@ -253,3 +253,20 @@ def test_var_dir_comes_from_env_then_stack_file(tmp_path: Path, monkeypatch: pyt
     (default / "run" / "stack.json").write_text(json.dumps({"var_dir": str(tmp_path / "elsewhere")}))
     assert trace_cli.resolve_var_dir(None) == tmp_path / "elsewhere"
     assert trace_cli.resolve_var_dir(tmp_path / "flag") == tmp_path / "flag"
+
+
+def test_checksum_verifications_under_collapsed_sends_stay_visible_as_their_own_group(tmp_path: Path) -> None:
+    # As the services emit them: each decode-side verify is parented on its send (the UCX header's context).
+    stack = Stack(tmp_path)
+    r = {"pdserve.request_id": RID}
+    with stack.span("prefill", "prefill.forward", 0, 40, **r) as fwd:
+        for layer in range(6):
+            with stack.span("prefill", "transfer.send", layer * 5, layer * 5 + 2, fwd, **r,
+                            **{"pdserve.layer": layer, "pdserve.kv_bytes": 100}) as send:
+                stack.leaf("decode", "transfer.verify_checksum", layer * 5 + 2, layer * 5 + 3, send, **r,
+                           **{"pdserve.layer": layer, "pdserve.checksum_ok": True})
+    stack.flush()
+    rows = layout(build_tree(request_spans(tmp_path))).rows
+    assert [(r.name, r.depth, r.group.count if r.group else None) for r in rows] == [
+        ("prefill.forward", 0, None), ("transfer.send", 1, 6), ("transfer.verify_checksum", 2, 6)]
+    assert rows[2].group.checksums_ok is True

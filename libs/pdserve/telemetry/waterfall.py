@@ -140,7 +140,7 @@ def _display_items(children: list[SpanNode], collapse_min: int) -> list[SpanNode
 
 def layout(roots: Sequence[SpanNode], collapse_min: int = COLLAPSE_MIN_SPANS) -> Waterfall:
     """Flatten the forest into display rows (depth-first, children by start time), collapsing per-layer
-    span groups of at least `collapse_min` (their descendants are not listed). Empty forest → no rows."""
+    span groups of at least `collapse_min` (their children are listed as groups too). Empty forest → no rows."""
     all_spans = [s for r in roots for s in _walk(r)]
     if not all_spans:
         return Waterfall([], 0, 0.0)
@@ -153,17 +153,21 @@ def layout(roots: Sequence[SpanNode], collapse_min: int = COLLAPSE_MIN_SPANS) ->
 
     def visit(item: SpanNode | list[SpanNode], lead: str, last: bool, depth: int) -> None:
         guide = "" if depth == 0 else lead + ("└─ " if last else "├─ ")
+        child_lead = "" if depth == 0 else lead + ("   " if last else "│  ")
         if isinstance(item, list):
             start = min(n.span.start_unix_ns for n in item)
             end = max(n.span.end_unix_ns for n in item)
             rows.append(WaterfallRow(guide, depth, item[0].span.name, item[0].span.service,
                                      offset(start), (end - start) / 1e9, group=_collapse(item)))
-            return
-        s = item.span
-        rows.append(WaterfallRow(guide, depth, s.name, s.service, offset(s.start_unix_ns), s.duration_s,
-                                 span=s, orphan=item.orphan))
-        child_lead = "" if depth == 0 else lead + ("   " if last else "│  ")
-        items = _display_items(item.children, collapse_min)
+            # The group's children (e.g. each layer's transfer.verify_checksum under its transfer.send)
+            # are shown as groups of their own, so the verification stays visible at one line.
+            children = sorted((c for n in item for c in n.children), key=lambda c: c.span.start_unix_ns)
+            items = _display_items(children, 1)
+        else:
+            s = item.span
+            rows.append(WaterfallRow(guide, depth, s.name, s.service, offset(s.start_unix_ns), s.duration_s,
+                                     span=s, orphan=item.orphan))
+            items = _display_items(item.children, collapse_min)
         for i, child in enumerate(items):
             visit(child, child_lead, i == len(items) - 1, depth + 1)
 
