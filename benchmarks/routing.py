@@ -34,10 +34,10 @@ from pathlib import Path
 
 from pdserve.config import RouterSettings
 from pdserve.engine.block_hash import hash_blocks
-from pdserve.messages import BlockStored, CompatibilityDescriptor, Heartbeat, KVEvents, Role, RouteRequest
+from pdserve.messages import BlockStored, Heartbeat, KVEvents, Role, RouteRequest
 from pdserve.routing.placement import Placer
 from pdserve.routing.policy import POLICY_NAMES
-from pdserve.routing.simulate import SimConfig, SimRequest, ceiling_tokens, simulate
+from pdserve.routing.simulate import SimConfig, SimRequest, ceiling_tokens, sim_descriptor, simulate
 
 VOCAB = 49152
 BLOCK = 16
@@ -123,17 +123,7 @@ def decision_latency(
     """Seconds per `Placer.route` (hash the prompt, look up the index, score, book) with `num_blocks`
     distinct blocks indexed over `num_workers` prefill workers; the prompt's first half is cached."""
     rng = random.Random(seed)
-    desc = CompatibilityDescriptor(
-        model="bench",
-        weights_hash="x",
-        dtype="float32",
-        block_size=BLOCK,
-        num_layers=1,
-        num_kv_heads=1,
-        head_dim=1,
-        hash_seed=0,
-        layout_version=1,
-    )
+    desc = sim_descriptor(BLOCK)
     placer = Placer(RouterSettings(policy="kv", heartbeat_timeout_s=3600, kv_index_ttl_s=3600))
     for i in range(num_workers):
         placer.observe_heartbeat(

@@ -88,7 +88,8 @@ class SimOutcome:
         }
 
 
-def _descriptor(block_size: int) -> CompatibilityDescriptor:
+def sim_descriptor(block_size: int) -> CompatibilityDescriptor:
+    """The one descriptor every simulated worker shares (all compatible)."""
     return CompatibilityDescriptor(
         model="sim",
         weights_hash="sim",
@@ -120,7 +121,7 @@ def simulate(
     `ceiling` (tokens) skips recomputing `ceiling_tokens` when running several policies."""
     now = [0.0]
     placer = Placer(settings, clock=lambda: now[0])
-    desc = _descriptor(config.block_size)
+    desc = sim_descriptor(config.block_size)
     bs = config.block_size
     wids = [f"prefill-{i}" for i in range(config.num_prefill_workers)]
     caches = {w: PrefixCacheModel(w, config.capacity_blocks) for w in wids}
