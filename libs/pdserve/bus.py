@@ -123,7 +123,7 @@ class Bus:
             reply = await self.nc.request(
                 subject, msg.model_dump_json().encode(), timeout=timeout_s, headers=_inject_headers()
             )
-        except (NatsTimeout, NoRespondersError, asyncio.TimeoutError) as e:
+        except (TimeoutError, NatsTimeout, NoRespondersError) as e:
             raise BusTimeout(f"{subject}: {type(e).__name__}") from e
         if (reply.headers or {}).get(REPLY_HEADER) == "rejected":
             rej = Rejected.model_validate_json(reply.data)

@@ -20,13 +20,13 @@ class CommonSettings(BaseSettings):
         "postgresql+asyncpg://postgres@127.0.0.1:5432/pdserve",
         description="Postgres event store (SQLAlchemy async URL). Only the recorder writes to it.",
     )
-    var_dir: Path = Field(Path("var"), description="Logs (var/log), traces (var/traces), run state (var/run).")
+    var_dir: Path = Field(Path("var"), description="Logs (var/log), traces (var/traces), state (var/run).")
     events_stream: str = Field("PDS_EVENTS", description="JetStream stream holding every lifecycle event.")
     subject_prefix: str = Field(
         "pds", description="First token of every NATS subject; tests use their own to share one server."
     )
     log_level: str = Field("INFO", description="Python logging level.")
-    metrics_port: int = Field(0, description="Prometheus /metrics port for this process; 0 = pick a free one.")
+    metrics_port: int = Field(0, description="Prometheus /metrics port of this process; 0 = any free one.")
 
     @property
     def trace_dir(self) -> Path:
@@ -52,7 +52,7 @@ class GatewaySettings(CommonSettings, ModelSettings):
     host: str = Field("127.0.0.1", description="HTTP bind address.")
     port: int = Field(8000, description="HTTP port of the OpenAI-compatible API.")
     request_timeout_s: float = Field(300.0, description="Upper bound on one request, end to end.")
-    max_model_len: int = Field(2048, description="Prompt + output tokens per request; longer is refused (400).")
+    max_model_len: int = Field(2048, description="Prompt + output tokens per request; longer: 400.")
     token_gap_timeout_s: float = Field(
         5.0, description="How long a hole in a request's token stream may stay open before it fails."
     )
@@ -125,16 +125,16 @@ class WorkerSettings(CommonSettings, ModelSettings):
         0, description="Fault injection (tests only): flip one byte in flight in every n-th KV transfer this "
         "worker sends (its first chunk); 0 = never.")
     kv_capacity_tokens: int = Field(
-        32768, description="KV cache capacity in tokens (all reservations together); SmolLM2 fp32 = 45 KiB/token."
+        32768, description="KV cache capacity in tokens (all reservations); SmolLM2 fp32 = 45 KiB/token."
     )
     lease_s: float = Field(30.0, description="A reservation not started within this many seconds is freed.")
     commit_every_tokens: int = Field(16, description="A TokensCommitted event every this many output tokens.")
     heartbeat_interval_s: float = Field(0.5, description="Heartbeat period.")
     torch_threads: int = Field(1, description="torch intra-op threads: one core per worker by default.")
-    block_size: int = Field(16, description="Tokens per KV cache block (part of the compatibility descriptor).")
+    block_size: int = Field(16, description="Tokens per KV cache block (in the compatibility descriptor).")
     kv_hash_seed: int = Field(0, description="Prefix-cache block hash seed; one for the whole cluster.")
     max_num_batched_tokens: int = Field(
-        512, description="Tokens per engine step (decode tokens + prefill chunks): the chunked-prefill budget.")
+        512, description="Tokens per engine step (decode tokens + prefill chunks): chunked-prefill budget.")
     max_num_seqs: int = Field(64, description="Sequences in one worker's running batch at most.")
 
 

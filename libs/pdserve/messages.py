@@ -258,7 +258,7 @@ class ReserveRequest(Message):
     max_tokens: int = Field(ge=1)
     lease_s: float = Field(gt=0, description="The reservation expires unless started before then.")
     prompt_token_ids: tuple[int, ...] = Field(
-        (), description="The prompt the KV will cover: the decode worker looks its prefix up in its own cache.")
+        (), description="The prompt the KV will cover: the decode worker looks it up in its own cache.")
     cache_salt: str | None = Field(None, description="Extra prefix-cache key (Submit.cache_salt).")
 
 
@@ -309,7 +309,7 @@ class StartDecode(Message):
     prompt_token_ids: tuple[int, ...]
     sampling: SamplingParams
     output_start_index: int = Field(0, ge=0)
-    first_token_logprobs: TokenLogprobs | None = Field(None, description="PrefillResult.first_token_logprobs.")
+    first_token_logprobs: TokenLogprobs | None = Field(None, description="From PrefillResult.")
 
 
 class DecodeAdmitted(Message):

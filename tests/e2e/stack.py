@@ -41,8 +41,8 @@ class Stack:
         env = dict(os.environ)
         env.update(spec.environment(nats_url=self.settings.nats_url, database_url=self.settings.database_url,
                                     model=self.model, var_dir=self.var_dir, gateway_port=self.port))
-        env.update(PDS_SUBJECT_PREFIX=self.settings.subject_prefix, PDS_EVENTS_STREAM=self.settings.events_stream,
-                   OTEL_BSP_SCHEDULE_DELAY="200")
+        env.update(PDS_SUBJECT_PREFIX=self.settings.subject_prefix,
+                   PDS_EVENTS_STREAM=self.settings.events_stream, OTEL_BSP_SCHEDULE_DELAY="200")
         env.pop("OTEL_EXPORTER_OTLP_ENDPOINT", None)
         return env
 

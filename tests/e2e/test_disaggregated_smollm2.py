@@ -25,7 +25,8 @@ PROMPTS = [
 
 @pytest.fixture(scope="module")
 def smollm2_stack(isolated_settings, tmp_path_factory) -> Iterator[Stack]:
-    stack = Stack(isolated_settings("smollm2stack"), tmp_path_factory.mktemp("smollm2-stack"), model="smollm2")
+    settings = isolated_settings("smollm2stack")
+    stack = Stack(settings, tmp_path_factory.mktemp("smollm2-stack"), model="smollm2")
     try:
         yield stack.start()
     finally:

@@ -26,7 +26,7 @@ def client(tiny_stack) -> openai.OpenAI:
     return openai.OpenAI(base_url=f"{tiny_stack.url}/v1", api_key="unused", max_retries=0)
 
 
-def poll_lifecycle(url: str, request_id: str, until: str = "RequestCompleted", timeout_s: float = 20.0) -> dict:
+def poll_lifecycle(url: str, request_id: str, until: str = "RequestCompleted", timeout_s: float = 20) -> dict:
     deadline = time.monotonic() + timeout_s
     while time.monotonic() < deadline:
         r = httpx.get(f"{url}/v1/requests/{request_id}")
@@ -132,7 +132,8 @@ def test_one_trace_spans_every_service(tiny_stack):
 
 @pytest.mark.parametrize("body, status", [
     ({"model": "SmolLM2-135M-Instruct", "messages": []}, 400),
-    ({"model": "SmolLM2-135M-Instruct", "messages": [{"role": "user", "content": "x"}], "max_tokens": 0}, 400),
+    ({"model": "SmolLM2-135M-Instruct", "messages": [{"role": "user", "content": "x"}], "max_tokens": 0},
+     400),
     ({"model": "nope", "messages": [{"role": "user", "content": "x"}]}, 404),
     ({"model": "SmolLM2-135M-Instruct", "messages": "not a list"}, 400),
     ({"model": "SmolLM2-135M-Instruct", "messages": [{"role": "user", "content": "word " * 5000}]}, 400),

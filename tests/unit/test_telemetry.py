@@ -15,6 +15,7 @@ import httpx
 import pytest
 from opentelemetry.exporter.otlp.proto.http.trace_exporter import OTLPSpanExporter
 from opentelemetry.trace import Status, StatusCode
+
 from pdserve.config import CommonSettings
 from pdserve.telemetry import metrics
 from pdserve.telemetry.jsonl_exporter import JsonLinesSpanExporter

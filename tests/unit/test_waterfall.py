@@ -13,12 +13,13 @@ from pathlib import Path
 import pytest
 from opentelemetry import propagate, trace
 from opentelemetry.context import Context
+from rich.console import Console
+
 from pdserve.cli import trace as trace_cli
 from pdserve.telemetry.jsonl_exporter import JsonLinesSpanExporter
 from pdserve.telemetry.setup import build_tracer_provider
 from pdserve.telemetry.spans import load_spans, services_seen, spans_of_request, trace_ids
 from pdserve.telemetry.waterfall import bar_cells, build_tree, layout, ttft_breakdown
-from rich.console import Console
 
 MS = 1_000_000  # ns
 T0 = 1_700_000_000_000 * MS

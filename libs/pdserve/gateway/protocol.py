@@ -46,7 +46,7 @@ class _SamplingFields(BaseModel):
     logit_bias: dict[str, float] | None = None
     user: str | None = None
     cache_salt: str | None = Field(
-        None, description="Prefix-cache isolation: requests with different salts never share cached KV blocks.")
+        None, description="Prefix-cache isolation: requests with other salts never share cached KV blocks.")
 
     @field_validator("stream", "temperature", "top_p", "top_k", "n", "presence_penalty", "frequency_penalty",
                      mode="before")

@@ -140,7 +140,7 @@ def _display_items(children: list[SpanNode], collapse_min: int) -> list[SpanNode
 
 def layout(roots: Sequence[SpanNode], collapse_min: int = COLLAPSE_MIN_SPANS) -> Waterfall:
     """Flatten the forest into display rows (depth-first, children by start time), collapsing per-layer
-    span groups of at least `collapse_min` (their children are listed as groups too). Empty forest → no rows."""
+    span groups of at least `collapse_min` (their children listed as groups too). Empty forest → no rows."""
     all_spans = [s for r in roots for s in _walk(r)]
     if not all_spans:
         return Waterfall([], 0, 0.0)
