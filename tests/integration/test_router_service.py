@@ -15,26 +15,16 @@ from pdserve.events import PrefillCompleted
 from pdserve.messages import (
     AllBlocksCleared,
     BlockStored,
-    CompatibilityDescriptor,
     Heartbeat,
     KVEvents,
     Role,
     RouteDecision,
     RouteRequest,
 )
+from pdserve.routing.simulate import sim_descriptor
 from pdserve.services.router.__main__ import setup
 
-DESC = CompatibilityDescriptor(
-    model="tiny",
-    weights_hash="abc",
-    dtype="float32",
-    block_size=16,
-    num_layers=2,
-    num_kv_heads=2,
-    head_dim=16,
-    hash_seed=0,
-    layout_version=1,
-)
+DESC = sim_descriptor(16)  # every simulated worker's descriptor: all compatible
 PROMPT = tuple(range(7, 7 + 128))
 
 

@@ -32,18 +32,9 @@ from pdserve.routing.policy import (
     softmax_sample,
 )
 from pdserve.routing.registry import WorkerRegistry
+from pdserve.routing.simulate import sim_descriptor
 
-DESC = CompatibilityDescriptor(
-    model="tiny",
-    weights_hash="abc",
-    dtype="float32",
-    block_size=16,
-    num_layers=2,
-    num_kv_heads=2,
-    head_dim=16,
-    hash_seed=0,
-    layout_version=1,
-)
+DESC = sim_descriptor(16)  # every simulated worker's descriptor: all compatible
 
 
 def hb(worker_id: str, role: Role, running: int = 0, descriptor: CompatibilityDescriptor = DESC) -> Heartbeat:
