@@ -32,7 +32,7 @@ from pdserve.store.queries import (
 )
 from pdserve.store.recorder import Recorder, caught_up
 from pdserve.store.tables import events, requests
-from tests.unit.test_projection import full_lifecycle
+from tests.unit.test_projection import full_lifecycle, migrated_lifecycle
 
 UNREACHABLE_DB = "postgresql+asyncpg://postgres@127.0.0.1:1/nowhere"
 
@@ -134,13 +134,19 @@ async def test_every_event_is_recorded_once_in_stream_order_with_its_projection(
 
 
 async def test_replay_twice_gives_the_projection_the_recorder_wrote(bus, engine, recorder_settings):
-    rid = new_id()
+    rid, migrating, recovering = new_id(), new_id(), new_id()
     for event in full_lifecycle(rid)[:7]:
+        await publish(bus, event)
+    for event in migrated_lifecycle(migrating)[:11]:
+        await publish(bus, event)
+    for event in migrated_lifecycle(recovering)[:13]:
         await publish(bus, event)
     await record_all(bus, engine, recorder_settings)
 
     live = await projection_snapshot(engine)
     assert (await request_row(engine, rid))["state"] == "prefilling"
+    assert (await request_row(engine, migrating))["state"] == "migrating"
+    assert (await request_row(engine, recovering))["state"] == "recovering"
     assert rid in {r["request_id"] for r in await unfinished_requests(engine)}
     n = await rebuild_projections(engine)
     first = await projection_snapshot(engine)

@@ -15,7 +15,9 @@ from pdserve.events import (
     PrefillStarted,
     RequestCompleted,
     RequestFailed,
+    RequestMigrated,
     RequestReceived,
+    RequestRecovered,
     RequestRouted,
     TokensCommitted,
     TransferCompleted,
@@ -64,6 +66,34 @@ def full_lifecycle(request_id: str, t0: float = T0) -> list[Event]:
     return [_event(request_id, p, t0 + 0.01 * i, svc, wid) for i, (svc, wid, p) in enumerate(steps)]
 
 
+def migrated_lifecycle(request_id: str, t0: float = T0) -> list[Event]:
+    """`full_lifecycle` up to 4 committed tokens; then decode-1 dies and the request migrates to
+    decode-2; then the coordinator restarts and re-prefills it; then a third coordinator finds it decoding
+    on decode-3 and watches it; then it completes."""
+    life = full_lifecycle(request_id, t0)
+    first, completed = life[:10], life[-1]  # up to TokensCommitted [0, 4)
+    lost = RequestMigrated(from_worker_id="decode-1", phase="decode", reason="no heartbeat for 2.0 s",
+                           num_committed_tokens=4, attempt=1)
+    again: list[tuple[str, str | None, Payload]] = [
+        ("coordinator", None, lost),
+        ("coordinator", None, RequestRouted(mode="disaggregated", prefill_worker_id="prefill-1",
+                                            decode_worker_id="decode-2", candidates=[],
+                                            predicted_cached_tokens=32, best_cached_tokens=32,
+                                            route_s=0.004)),
+        ("coordinator", None, RequestRecovered(state="routed", num_committed_tokens=4, action="re-prefill")),
+        ("coordinator", None, RequestRouted(mode="disaggregated", prefill_worker_id="prefill-2",
+                                            decode_worker_id="decode-3", candidates=[],
+                                            predicted_cached_tokens=0, best_cached_tokens=0,
+                                            route_s=0.005)),
+        ("decode", "decode-3", DecodeStarted(decode_worker_id="decode-3", num_running=2)),
+        ("coordinator", None, RequestRecovered(state="decoding", num_committed_tokens=4,
+                                               action="watch decode")),
+        ("decode", "decode-3", TokensCommitted(start_index=4, token_ids=[11, 12, 13, 14])),
+    ]
+    rest = [_event(request_id, p, t0 + 1 + 0.01 * i, svc, wid) for i, (svc, wid, p) in enumerate(again)]
+    return [*first, *rest, completed.model_copy(update={"ts": t0 + 2})]
+
+
 def _fold(events: list[Event], first_seq: int = 1):
     return fold((first_seq + i, e) for i, e in enumerate(events))
 
@@ -96,6 +126,43 @@ def test_state_follows_each_lifecycle_step():
         states.append(row["state"])
     assert states == ["received", "routed", "routed", "reserved", "prefilling", "prefilling", "prefilling",
                       "transferred", "decoding", "decoding", "decoding", "completed"]
+
+
+def test_migration_and_recovery_change_the_state_until_the_next_placement():
+    rid = new_id()
+    states, rows = [], []
+    row = None
+    for seq, event in enumerate(migrated_lifecycle(rid), start=1):
+        row = apply(row, event, seq)
+        states.append(row["state"])
+        rows.append(row)
+    assert states[9:] == ["decoding",  # TokensCommitted [0, 4) on decode-1
+                          "migrating", "routed", "recovering", "routed", "decoding",
+                          "decoding",  # RequestRecovered "watch decode": still decoding on decode-3
+                          "decoding", "completed"]
+    migrating = rows[10]
+    # Until the next placement the row names the lost one; the journal count is the migration's.
+    assert (migrating["prefill_worker_id"], migrating["decode_worker_id"]) == ("prefill-1", "decode-1")
+    assert migrating["completion_tokens"] == 4 and migrating["last_stream_seq"] == 11
+    recovering = rows[12]
+    assert (recovering["decode_worker_id"], recovering["route_s"]) == ("decode-2", 0.004)
+    assert recovering["completion_tokens"] == 4 and recovering["last_stream_seq"] == 13
+    final = rows[-1]
+    assert (final["prefill_worker_id"], final["decode_worker_id"]) == ("prefill-2", "decode-3")
+    assert (final["completion_tokens"], final["route_s"], final["last_stream_seq"]) == (8, 0.002, 18)
+    assert final["finished_at"] == datetime.fromtimestamp(T0 + 2, UTC)
+
+
+def test_a_late_migration_or_recovery_event_does_not_reopen_a_finished_request():
+    rid = new_id()
+    done = _fold(full_lifecycle(rid))
+    late = [RequestMigrated(from_worker_id="decode-1", phase="decode", reason="x", num_committed_tokens=2,
+                            attempt=1),
+            RequestRecovered(state="decoding", num_committed_tokens=2, action="re-prefill")]
+    row = done
+    for seq, p in enumerate(late, start=13):
+        row = apply(row, _event(rid, p, T0 + 5, "coordinator"), seq)
+    assert row == done | {"last_stream_seq": 14}
 
 
 def test_failed_request_records_phase_reason_and_keeps_progress_so_far():

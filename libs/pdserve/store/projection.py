@@ -6,10 +6,14 @@ wrote. Order is the JetStream stream sequence, never `ts`: several services stam
 clocks (DESIGN §4).
 
 State follows the lifecycle (DESIGN §2): received → routed → reserved → prefilling → transferred →
-decoding → completed | failed | aborted. A retry may step back (a second `DecodeReserved` after a failed
-transfer is `reserved` again), but a terminal state is final: a late event still fills in its fields,
-never the state. Unknown event types, and events of a newer schema version, leave the row as it is
-(the event itself is kept in the `events` table); so does a payload that fails validation.
+decoding → completed | failed | aborted. A request that leaves its placement is `migrating`
+(`RequestMigrated`: a worker it depended on was lost) or `recovering` (`RequestRecovered` by a restarted
+coordinator that re-prefills it) until its next `RequestRouted`; a recovered request that keeps decoding
+on its worker (action "watch decode") stays `decoding`. A retry may step back (a second `DecodeReserved`
+after a failed transfer is `reserved` again), but a terminal state is final: a late event still fills in
+its fields, never the state. The worker columns keep the last placement until a new one replaces them.
+Unknown event types, and events of a newer schema version, leave the row as it is (the event itself is
+kept in the `events` table); so does a payload that fails validation.
 """
 
 from __future__ import annotations
@@ -30,7 +34,9 @@ from pdserve.events import (
     RequestAborted,
     RequestCompleted,
     RequestFailed,
+    RequestMigrated,
     RequestReceived,
+    RequestRecovered,
     RequestRouted,
     TokensCommitted,
     TransferCompleted,
@@ -38,6 +44,9 @@ from pdserve.events import (
 from pdserve.store.tables import REQUEST_COLUMNS, TERMINAL_STATES
 
 Row = dict[str, Any]
+# `RequestRecovered.action` of a request the restarted coordinator leaves decoding on its worker
+# (`Coordinator.recover`); any other action ("re-prefill") runs it again from route.
+WATCH_DECODE = "watch decode"
 
 
 def to_datetime(ts: float) -> datetime:
@@ -77,6 +86,11 @@ def _fields(p: Payload, ts: datetime) -> tuple[str | None, Row]:
             return "decoding", {"decode_worker_id": p.decode_worker_id}
         case TokensCommitted():
             return None, {"_committed_tokens": p.start_index + len(p.token_ids)}
+        case RequestMigrated():
+            return "migrating", {"_committed_tokens": p.num_committed_tokens}
+        case RequestRecovered():
+            state = "decoding" if p.action == WATCH_DECODE else "recovering"
+            return state, {"_committed_tokens": p.num_committed_tokens}
         case RequestCompleted():
             t = p.ttft
             return "completed", {

@@ -16,7 +16,7 @@ from sqlalchemy.dialects.postgresql import JSONB
 metadata = sa.MetaData()
 
 REQUEST_STATES = (
-    "received", "routed", "reserved", "prefilling", "transferred", "decoding",
+    "received", "routed", "reserved", "prefilling", "transferred", "decoding", "migrating", "recovering",
     "completed", "failed", "aborted",
 )
 TERMINAL_STATES = frozenset({"completed", "failed", "aborted"})
