@@ -20,6 +20,7 @@ from pdserve.lifecycle.liveness import WorkerLiveness
 from pdserve.lifecycle.recovery import Unfinished, Unresumable, plan, read_log
 from pdserve.lifecycle.request import RequestLifecycle, ResumePoint
 from pdserve.messages import Abort, Accepted, Ack, DecodeFinished, RejectCode, Submit, TokenChunk
+from pdserve.telemetry import metrics
 
 log = logging.getLogger(__name__)
 
@@ -50,18 +51,21 @@ class Coordinator:
 
     @property
     def num_waiting(self) -> int:
-        """Requests in the admission queue: told by their decode worker that it is full, waiting to retry."""
-        return sum(1 for lifecycle, _ in self.active.values() if lifecycle.waiting_admission)
+        """The admission queue: accepted requests that have not yet held a decode reservation (routing,
+        reserving, or told by their decode worker that it is full and waiting to retry). Safe from the
+        metrics server's thread: `list()` copies the values without running Python code."""
+        return sum(1 for lifecycle, _ in list(self.active.values()) if lifecycle.awaiting_admission)
 
     async def submit(self, req: Submit) -> Accepted:
         """Start a request; a Submit of a request already in flight (the gateway retried, or recovery
         resumed it first) is accepted again without a second run. Raises RejectedError(CAPACITY) while
-        `max_waiting_requests` requests wait for decode capacity (the gateway answers 503 + Retry-After):
-        the admission queue is bounded, so memory stays bounded when decode stays full."""
+        `max_waiting_requests` requests await admission (the gateway answers 503 + Retry-After). Counting
+        every accepted request not yet reserved — not only those already told decode is full — keeps the
+        bound when a burst of Submits arrives before any of them has reached a decode worker."""
         if req.request_id not in self.active:
             if self.num_waiting >= self.settings.max_waiting_requests:
-                raise RejectedError(RejectCode.CAPACITY, f"{self.num_waiting} requests already wait for "
-                                    f"decode capacity (max_waiting_requests)")
+                raise RejectedError(RejectCode.CAPACITY, f"{self.num_waiting} requests already await "
+                                    f"admission to decode (max_waiting_requests)")
             self._start(req)
         return Accepted(request_id=req.request_id)
 
@@ -88,6 +92,7 @@ class Coordinator:
         return Ack()
 
     async def serve(self) -> None:
+        metrics.ADMISSION_QUEUE_LENGTH.set_function(lambda: self.num_waiting)  # read at each scrape
         await self.liveness.start()
         s = self.bus.subjects
         await self.bus.serve(s.finished, DecodeFinished, self.finished)

@@ -1,9 +1,10 @@
-"""The phases of one placement of a request: route, reserve, prefill, start decode; and its completion.
+"""The shared ground of one request's placements: commands raced against worker liveness, routing, and
+releasing what the request holds.
 
-`Phases` is the base of `RequestLifecycle` (lifecycle/request.py), which strings placements together
-across migrations. Each command to a worker is raced against that worker's liveness (`watch`): a worker
-whose heartbeats stop, or that does not answer a command, raises `WorkerLost`, which the lifecycle turns
-into a migration.
+`Phases` is the base of `Placement` (lifecycle/placement.py: reserve → prefill → start decode), itself the
+base of `RequestLifecycle` (lifecycle/request.py), which strings placements together across migrations.
+Each command to a worker is raced against that worker's liveness (`watch`): a worker whose heartbeats
+stop, or that does not answer a command, raises `WorkerLost`, which the lifecycle turns into a migration.
 """
 
 from __future__ import annotations
@@ -19,23 +20,15 @@ from opentelemetry import trace
 
 from pdserve.bus import Bus, BusTimeout, RejectedError
 from pdserve.config import CoordinatorSettings
-from pdserve.events import AdmissionDeferred, DecodeReserved, RequestCompleted, RequestRouted, TTFTBreakdown
-from pdserve.ids import new_id
+from pdserve.events import RequestRouted
 from pdserve.lifecycle.liveness import WorkerLiveness
 from pdserve.messages import (
     Ack,
-    DecodeAdmitted,
-    DecodeFinished,
     FinishReason,
-    PrefillRequest,
-    PrefillResult,
     RejectCode,
     Release,
-    Reservation,
-    ReserveRequest,
     RouteDecision,
     RouteRequest,
-    StartDecode,
     Submit,
 )
 
@@ -75,7 +68,8 @@ class Phases:
         self.holders: set[str] = set()  # workers that may hold something of this request
         self.watched: set[str] = set()  # workers whose death abandons the current phase
         self.phase = "route"
-        self.waiting_admission = False  # in the admission queue: decode said full, waiting to retry
+        # Accepted, never yet reserved decode KV (lifecycle/placement.py): counted against the bound.
+        self.awaiting_admission = True
 
     async def watch(self, coro: Awaitable[T]) -> T:
         """Await `coro` unless a worker of `self.watched` dies first: then cancel it, raise `WorkerLost`."""
@@ -157,200 +151,7 @@ class Phases:
         )
         return decision
 
-    # ------------------------------------------------------------ reserve → prefill → start
-
-    async def place(
-        self, decision: RouteDecision, prompt: tuple[int, ...], start_index: int, timings: dict[str, float]
-    ) -> DecodeAdmitted:
-        """Reserve, prefill `prompt` and start decode from output index `start_index`; a transfer that
-        fails verification is redone (fresh reservation and prefill) up to `max_prefill_attempts`."""
-        max_tokens = self.submit.sampling.max_tokens - start_index
-        for attempt in range(1, self.settings.max_prefill_attempts + 1):
-            timings["reserve"] = time.time()
-            reservation = await self._reserve(decision, len(prompt), max_tokens, prompt)
-            timings["prefill"] = time.time()
-            result = await self._prefill(decision, reservation, prompt)
-            timings["prefilled"] = time.time()
-            try:
-                admitted = await self._start(decision, reservation, result, prompt, start_index)
-                break
-            except RejectedError as e:
-                if e.code is not RejectCode.TRANSFER_FAILED:
-                    raise
-                log.warning("request %s: %s (attempt %d)", self.request_id, e.message, attempt)
-                await self._release(decision.prefill_worker_id, "transfer failed")
-        else:
-            raise PhaseFailed(
-                "transfer", f"KV not verified after {self.settings.max_prefill_attempts} attempts"
-            )
-        if decision.prefill_worker_id != decision.decode_worker_id:
-            await self._release(
-                decision.prefill_worker_id, "transferred"
-            )  # decode confirmed: prefill KV done
-        return admitted
-
-    async def _reserve(
-        self, decision: RouteDecision, num_prompt_tokens: int, max_tokens: int, prompt: tuple[int, ...] = ()
-    ) -> Reservation:
-        """Reserve decode KV; while the decode worker is full, wait (bounded by `admission_wait_s`)."""
-        self.phase = "reserve"
-        worker = decision.decode_worker_id
-        self.watched = {worker}
-        req = ReserveRequest(
-            request_id=self.request_id,
-            transfer_id=new_id(),
-            num_prompt_tokens=num_prompt_tokens,
-            max_tokens=max_tokens,
-            lease_s=self.settings.prefill_timeout_s,
-            prompt_token_ids=prompt,
-            cache_salt=self.submit.cache_salt,
-        )
-        deadline = time.monotonic() + self.settings.admission_wait_s
-        delay, deferred = 0.02, False
-        t0 = time.perf_counter()
-        with tracer.start_as_current_span("coordinator.reserve"):
-            try:
-                while True:
-                    self.holders.add(worker)
-                    try:
-                        reservation = await self.command(
-                            worker,
-                            self.bus.request(
-                                self.bus.subjects.worker(worker, "reserve"),
-                                req,
-                                Reservation,
-                                self.settings.reserve_timeout_s,
-                            ),
-                        )
-                        break
-                    except RejectedError as e:
-                        if e.code is not RejectCode.CAPACITY:
-                            raise
-                        self.waiting_admission = True
-                        if not deferred:
-                            deferred = True
-                            await self.bus.emit(
-                                self.request_id, AdmissionDeferred(decode_worker_id=worker, reason=e.message)
-                            )
-                        if time.monotonic() + delay > deadline:
-                            raise PhaseFailed(
-                                "admission", f"decode {worker} full for {self.settings.admission_wait_s} s"
-                            ) from e
-                        await asyncio.sleep(delay)
-                        delay = min(delay * 2, 0.5)
-            finally:
-                # Whatever ends the wait (reserved, failed, aborted), the request leaves the queue.
-                self.waiting_admission = False
-        await self.bus.emit(
-            self.request_id,
-            DecodeReserved(
-                decode_worker_id=worker,
-                transfer_id=reservation.transfer_id,
-                num_tokens=reservation.num_tokens,
-                reserve_s=time.perf_counter() - t0,
-            ),
-        )
-        return reservation
-
-    async def _prefill(
-        self, decision: RouteDecision, reservation: Reservation, prompt: tuple[int, ...]
-    ) -> PrefillResult:
-        self.phase = "prefill"
-        worker = decision.prefill_worker_id
-        self.holders.add(worker)
-        self.watched = {worker, decision.decode_worker_id}
-        with tracer.start_as_current_span("coordinator.prefill"):
-            return await self.command(
-                worker,
-                self.bus.request(
-                    self.bus.subjects.worker(worker, "prefill"),
-                    PrefillRequest(
-                        request_id=self.request_id,
-                        transfer_id=reservation.transfer_id,
-                        prompt_token_ids=prompt,
-                        sampling=self.submit.sampling,
-                        decode_worker_id=decision.decode_worker_id,
-                        endpoint=reservation.endpoint,
-                        decode_num_cached_tokens=reservation.num_cached_tokens,
-                        cache_salt=self.submit.cache_salt,
-                    ),
-                    PrefillResult,
-                    self.settings.prefill_timeout_s,
-                ),
-            )
-
-    async def _start(
-        self,
-        decision: RouteDecision,
-        reservation: Reservation,
-        result: PrefillResult,
-        prompt: tuple[int, ...],
-        start_index: int,
-    ) -> DecodeAdmitted:
-        self.phase = "transfer"
-        worker = decision.decode_worker_id
-        self.watched = {worker}
-        with tracer.start_as_current_span("coordinator.start_decode"):
-            return await self.command(
-                worker,
-                self.bus.request(
-                    self.bus.subjects.worker(worker, "start"),
-                    StartDecode(
-                        request_id=self.request_id,
-                        transfer_id=reservation.transfer_id,
-                        first_token_id=result.first_token_id,
-                        prompt_token_ids=prompt,
-                        sampling=self.submit.sampling,
-                        output_start_index=start_index,
-                        first_token_logprobs=result.first_token_logprobs,
-                    ),
-                    DecodeAdmitted,
-                    self.settings.prefill_timeout_s,
-                ),
-            )
-
-    # ------------------------------------------------------------ end
-
-    async def complete(
-        self, done: DecodeFinished, admitted: DecodeAdmitted | None, timings: dict[str, float]
-    ) -> None:
-        """Emit `RequestCompleted`. The TTFT breakdown is of this coordinator's first placement; a
-        request resumed while decoding has only its total TTFT (the phases ran under another coordinator)."""
-        received = self.submit.received_ts
-        if admitted is not None and timings:
-            transfer_end = max(timings["prefilled"], admitted.transfer_done_ts)
-            ttft = TTFTBreakdown(
-                queue_s=max(0.0, timings["route"] - received),
-                route_s=timings["reserve"] - timings["route"],
-                reserve_s=timings["prefill"] - timings["reserve"],
-                prefill_s=timings["prefilled"] - timings["prefill"],
-                exposed_transfer_s=transfer_end - timings["prefilled"],
-                first_token_s=max(0.0, admitted.first_token_ts - transfer_end),
-                ttft_s=admitted.first_token_ts - received,
-            )
-        else:
-            ttft = TTFTBreakdown(
-                queue_s=0.0,
-                route_s=0.0,
-                reserve_s=0.0,
-                prefill_s=0.0,
-                exposed_transfer_s=0.0,
-                first_token_s=0.0,
-                ttft_s=max(0.0, done.first_token_ts - received),
-            )
-        span = trace.get_current_span()
-        for name, value in ttft.model_dump().items():
-            span.set_attribute(f"pdserve.ttft.{name}" if name != "ttft_s" else "pdserve.ttft_s", value)
-        await self.bus.emit(
-            self.request_id,
-            RequestCompleted(
-                finish_reason=done.finish_reason,
-                prompt_tokens=len(self.submit.prompt_token_ids),
-                completion_tokens=done.num_output_tokens,
-                ttft=ttft,
-                e2e_s=done.last_token_ts - received,
-            ),
-        )
+    # ------------------------------------------------------------ release
 
     async def _release(self, worker: str, reason: str, finish_reason: FinishReason | None = None) -> None:
         try:

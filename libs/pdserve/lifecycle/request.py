@@ -33,9 +33,11 @@ from opentelemetry import trace
 from pdserve.bus import Bus, BusTimeout, RejectedError
 from pdserve.config import CoordinatorSettings
 from pdserve.events import RequestAborted, RequestFailed, RequestMigrated
+from pdserve.lifecycle.completion import emit_completed
 from pdserve.lifecycle.journal import read_committed
 from pdserve.lifecycle.liveness import WorkerLiveness
-from pdserve.lifecycle.phases import PhaseFailed, Phases, WorkerLost
+from pdserve.lifecycle.phases import PhaseFailed, WorkerLost
+from pdserve.lifecycle.placement import Placement
 from pdserve.messages import DecodeAdmitted, DecodeFinished, FinishReason, RouteDecision, Submit, TokenChunk
 
 log = logging.getLogger(__name__)
@@ -66,7 +68,7 @@ class Attempt:
     timings: dict[str, float] = field(default_factory=dict)  # UNIX seconds at each phase start
 
 
-class RequestLifecycle(Phases):
+class RequestLifecycle(Placement):
     def __init__(
         self,
         bus: Bus,
@@ -87,6 +89,7 @@ class RequestLifecycle(Phases):
         self.handed_off = False
         if resume:
             self.holders |= set(resume.holders)
+            self.awaiting_admission = False  # admitted by the coordinator that accepted it
 
     async def run(self) -> None:
         try:
@@ -135,8 +138,9 @@ class RequestLifecycle(Phases):
                 done = await self._run_once()
             except WorkerLost as e:
                 await self._migrate(e)
-        await self.complete(
-            done, self.first.admitted if self.first else None, self.first.timings if self.first else {}
+        first = self.first
+        await emit_completed(
+            self.bus, self.submit, done, first.admitted if first else None, first.timings if first else {}
         )
 
     async def _run_once(self) -> DecodeFinished:

@@ -60,6 +60,9 @@ CHECKSUM_FAILURES = Counter(
     "pdserve:checksum_failures", "KV layers whose checksum did not match on arrival.", WORKER)
 ADMISSION_DEFERRED = Counter(
     "pdserve:admission_deferred", "Reservations refused because the decode worker was full.", WORKER)
+ADMISSION_QUEUE_LENGTH = Gauge(
+    "pdserve:admission_queue_length",
+    "Requests the coordinator accepted that hold no decode reservation yet (at most max_waiting_requests).")
 EVENTS_RECORDER_LAG_SECONDS = Gauge(
     "pdserve:events_recorder_lag_seconds", "Age of the newest event the recorder has committed, seconds.")
 

@@ -1,0 +1,52 @@
+"""A request's completion: its TTFT broken down by phase, and the `RequestCompleted` event."""
+
+from __future__ import annotations
+
+from opentelemetry import trace
+
+from pdserve.bus import Bus
+from pdserve.events import RequestCompleted, TTFTBreakdown
+from pdserve.messages import DecodeAdmitted, DecodeFinished, Submit
+
+
+def ttft_breakdown(
+    received_ts: float, done: DecodeFinished, admitted: DecodeAdmitted | None, timings: dict[str, float]
+) -> TTFTBreakdown:
+    """Seconds from the gateway's receive (`received_ts`, UNIX s) to the first token, by phase. `timings`
+    holds the UNIX seconds at which the placement began route / reserve / prefill and ended prefill
+    ("route", "reserve", "prefill", "prefilled"). Without a placement of this coordinator (`admitted` None
+    or no timings: a request resumed while decoding) only the total is known."""
+    if admitted is None or not timings:
+        return TTFTBreakdown(queue_s=0.0, route_s=0.0, reserve_s=0.0, prefill_s=0.0, exposed_transfer_s=0.0,
+                             first_token_s=0.0, ttft_s=max(0.0, done.first_token_ts - received_ts))
+    transfer_end = max(timings["prefilled"], admitted.transfer_done_ts)
+    return TTFTBreakdown(
+        queue_s=max(0.0, timings["route"] - received_ts),
+        route_s=timings["reserve"] - timings["route"],
+        reserve_s=timings["prefill"] - timings["reserve"],
+        prefill_s=timings["prefilled"] - timings["prefill"],
+        exposed_transfer_s=transfer_end - timings["prefilled"],
+        first_token_s=max(0.0, admitted.first_token_ts - transfer_end),
+        ttft_s=admitted.first_token_ts - received_ts,
+    )
+
+
+async def emit_completed(
+    bus: Bus, submit: Submit, done: DecodeFinished, admitted: DecodeAdmitted | None, timings: dict[str, float]
+) -> None:
+    """Emit `RequestCompleted` (and put the TTFT breakdown on the current span). The breakdown is of this
+    coordinator's first placement (`admitted`, `timings`)."""
+    ttft = ttft_breakdown(submit.received_ts, done, admitted, timings)
+    span = trace.get_current_span()
+    for name, value in ttft.model_dump().items():
+        span.set_attribute(f"pdserve.ttft.{name}" if name != "ttft_s" else "pdserve.ttft_s", value)
+    await bus.emit(
+        submit.request_id,
+        RequestCompleted(
+            finish_reason=done.finish_reason,
+            prompt_tokens=len(submit.prompt_token_ids),
+            completion_tokens=done.num_output_tokens,
+            ttft=ttft,
+            e2e_s=done.last_token_ts - submit.received_ts,
+        ),
+    )
