@@ -69,13 +69,36 @@ def test_a_mismatching_digest_treats_the_worker_as_cold_until_a_digest_matches()
     assert not idx.is_partial("a") and idx.overlaps([9], ["a"]) == {"a": 1}
 
 
-def test_a_digest_ahead_of_the_index_means_lost_batches():
+def test_a_digest_ahead_of_the_index_waits_one_digest_for_its_batches():
+    """Digests and events come on different subscriptions: a digest may overtake its batches."""
     idx = KVIndex()
     idx.apply(batch("a", 0, AllBlocksCleared(), BlockStored(block_hashes=(1,))))
-    assert not idx.check_digest(digest("a", 3, {1, 4}))
-    assert idx.gaps == 1 and idx.overlaps([1], ["a"]) == {"a": 0}
-    idx.apply(batch("a", 4, BlockStored(block_hashes=(5,))))  # continues from the digest's seq: no new gap
-    assert idx.gaps == 1
+    assert idx.check_digest(digest("a", 2, {1, 4, 5}))  # batches 1 and 2 are still on their way
+    idx.apply(batch("a", 1, BlockStored(block_hashes=(4,))))
+    idx.apply(batch("a", 2, BlockStored(block_hashes=(5,))))
+    assert idx.check_digest(digest("a", 2, {1, 4, 5})) and idx.gaps == 0 and not idx.is_partial("a")
+    assert idx.check_digest(digest("a", 4, {1, 4, 5, 6, 7}))  # ahead again...
+    assert not idx.check_digest(digest("a", 5, {1, 4, 5, 6, 7, 8}))  # ...and batches 3-5 never came
+    assert idx.gaps == 1 and idx.is_partial("a") and idx.overlaps([1], ["a"]) == {"a": 0}
+    idx.apply(batch("a", 6, BlockStored(block_hashes=(9,))))  # continues from the digest's seq: no new gap
+    assert idx.gaps == 1 and idx.overlaps([9], ["a"]) == {"a": 1}
+
+
+def test_a_router_started_while_a_worker_holds_blocks_keeps_what_it_hears_since():
+    """The worker's digests disagree until the blocks the router never heard of are evicted; what the
+    router heard meanwhile stays usable (a restarted router must not route blind)."""
+    cache = PrefixCacheModel("a", capacity_blocks=16)
+    cache.start()
+    cache.prefill(list(range(8)))  # before this router started
+    idx = KVIndex()
+    assert not idx.check_digest(cache.digest())  # first contact: partial, aligned on the digest's seq
+    idx.apply(cache.prefill(list(range(100, 104)))[1])
+    assert not idx.check_digest(cache.digest())  # blocks 0-7 are unknown to the index...
+    assert idx.overlaps(list(range(100, 104)), ["a"]) == {"a": 4}  # ...what it heard is kept
+    for k in range(5):
+        idx.apply(cache.prefill(list(range(200 + 10 * k, 204 + 10 * k)))[1])
+    assert idx.check_digest(cache.digest()) and not idx.is_partial("a")  # 0-7 evicted: exact again
+    assert idx.num_blocks("a") == len(cache) == 16
 
 
 def test_a_silent_worker_expires_and_a_heartbeat_keeps_it():

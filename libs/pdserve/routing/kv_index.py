@@ -8,9 +8,15 @@ router never counts on blocks a worker no longer has:
 - `AllBlocksCleared` (sent at every worker start) wipes the worker: a worker restarted in place is
   cold, whatever it held before.
 - A `seq` gap (a lost batch), or a digest that disagrees with what the index has applied up to the
-  digest's `seq`, drops the worker's entries and marks it *partial*: later events still apply, so the
-  index holds a subset of the worker's blocks (unknown removals are ignored). A later digest that
-  matches (the unknown blocks have been evicted since) makes it exact again.
+  digest's `seq` while the index was exact (drift), drops the worker's entries and marks it *partial*:
+  later events still apply, so the index holds a subset of the worker's blocks (unknown removals are
+  ignored). A partial worker's digests disagree as a matter of course (it holds blocks the index never
+  heard of), so they drop nothing: what the index holds of it was stored and not removed since the gap.
+  A later digest that matches (the unknown blocks have been evicted since) makes it exact again. A
+  router that starts while workers hold blocks begins with every worker partial this way.
+- Digests and events travel on different subjects and are handled by different subscriptions, so a
+  digest can arrive before the batches it covers. A digest ahead of the applied `seq` is therefore not
+  a gap at once; if the next digest finds the index still short of that `seq`, the batches were lost.
 - A worker heard from by neither events, digests nor `touch` (heartbeats) for `ttl_s` seconds is
   dropped by `expire`.
 
@@ -38,6 +44,7 @@ class WorkerBlocks:
     last_seq: int | None = None
     partial: bool = True  # until the worker's start (AllBlocksCleared) or a matching digest is seen
     last_heard: float = 0.0
+    digest_ahead: int | None = None  # seq of a digest that arrived before its batches
 
 
 class KVIndex:
@@ -120,26 +127,32 @@ class KVIndex:
 
     def check_digest(self, digest: KVDigest) -> bool:
         """Compare a worker's digest with the index. Returns True when they agree (a partial worker becomes
-        exact again). A digest for a `seq` the index has not reached means batches were lost; one that
-        disagrees at the same `seq` means drift: either way the worker's entries are dropped (partial) and
-        False is returned. A digest older than the last applied batch cannot be compared: True."""
+        exact again) or cannot be compared: a digest older than the last applied batch, or the first one
+        ahead of it (its batches may still be on their way). False when they disagree: an exact worker's
+        entries are dropped (drift: it becomes partial); a partial worker's are kept (a subset); and a
+        second digest that finds the index still short of the first one's `seq` means batches were lost:
+        the worker's entries are dropped and the index continues from the digest's `seq`."""
         w = self._worker(digest.worker_id)
         if w.last_seq is not None and digest.seq < w.last_seq:
             return True
-        if (
-            w.last_seq == digest.seq
-            and len(w.hashes) == digest.num_blocks
-            and w.xor_hashes == digest.xor_hashes
-        ):
-            w.partial = False
+        if w.last_seq == digest.seq:
+            w.digest_ahead = None
+            if len(w.hashes) == digest.num_blocks and w.xor_hashes == digest.xor_hashes:
+                w.partial = False
+                return True
+            if not w.partial:
+                self.digest_mismatches += 1
+                self._clear(w)
+                w.partial = True
+            return False
+        if w.last_seq is not None and (w.digest_ahead is None or w.digest_ahead <= w.last_seq):
+            w.digest_ahead = digest.seq  # ahead: wait one digest period for its batches
             return True
-        if w.last_seq is None or digest.seq > w.last_seq:
-            self.gaps += 1
-        elif not w.partial:
-            self.digest_mismatches += 1
+        self.gaps += 1  # batches never arrived (or nothing was ever heard from this worker)
         self._clear(w)
         w.partial = True
         w.last_seq = digest.seq
+        w.digest_ahead = None
         return False
 
     def touch(self, worker_id: str) -> None:
