@@ -73,6 +73,25 @@ class RouterSettings(CommonSettings):
     temperature: float = Field(
         0.0, ge=0, description="0 = lowest cost wins; > 0 samples by softmax over min-max normalised costs "
         "(Dynamo's --router-temperature, default 0.0).")
+    active_prefill_weight: float = Field(
+        0.25, ge=0, description="Weight q of the queued prefill blocks against the request's own uncached "
+        "blocks: cost = w·(uncached + q·active prefill blocks) + .... Dynamo's cost has q = 1 (a busy warm "
+        "worker loses to an idle cold one as soon as its queue outweighs the hit, duplicating the prefix); "
+        "0.25 is ours, measured in docs/benchmarks/routing.md.")
+    balance_weight: float = Field(
+        0.75, ge=0, description="Weight β of the stable load term β·prompt blocks·(r − mean r)/max(1, "
+        "mean r), r each worker's share of the last `balance_window_requests` routing decisions (the "
+        "relative-load term of vLLM production-stack's load-aware router: score = matched/prompt − "
+        "β·relative_load). 0 = Dynamo's cost alone. 0.75 is ours, measured in docs/benchmarks/routing.md.")
+    balance_window_requests: int = Field(
+        128, ge=1, description="Decisions the stable load r remembers: an exponentially weighted count, each "
+        "decision scales every worker's count by 1 − 1/window and adds 1 to the chosen one.")
+    balance_abs_threshold: int = Field(
+        64, ge=0, description="Guard (SGLang cache-aware router, `--balance-abs-threshold`, default 64): "
+        "when the candidates' active requests differ by more than this AND ...")
+    balance_rel_threshold: float = Field(
+        1.5, ge=1, description="... the most loaded has more than this times the least (SGLang "
+        "`--balance-rel-threshold`, default 1.5), the least loaded candidate is taken, cache or not.")
     local_prefill_max_tokens: int = Field(
         0, ge=0, description="Conditional disaggregation: the decode worker prefills itself ('local') when "
         "the prompt's uncached tokens there are at most this many and it is not busy. 0 = always "

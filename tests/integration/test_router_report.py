@@ -175,13 +175,20 @@ async def test_replay_re_decides_the_logged_requests_with_each_policy(logged):
 
     results = replay_routing(
         reqs,
-        [("kv", RouterSettings(policy="kv")), ("round_robin", RouterSettings(policy="round_robin"))],
+        [
+            ("kv", RouterSettings(policy="kv")),
+            ("kv cache only", RouterSettings(policy="kv", balance_weight=0.0)),
+            ("round_robin", RouterSettings(policy="round_robin")),
+        ],
         config,
     )
-    kv, rr = (r.summary for r in results)
-    # Every prompt starts with the same tokens: the kv router keeps them on one warm worker.
-    assert kv["requests"] == rr["requests"] == 5
-    assert kv["hit_rate"] > rr["hit_rate"] and kv["of_ceiling"] == pytest.approx(1.0)
+    kv, kv_cache_only, rr = (r.summary for r in results)
+    # Every prompt starts with the same tokens: without the balance term the kv router keeps them all on
+    # one warm worker; with it, it trades some of the hit for spreading five requests over three workers.
+    assert kv["requests"] == kv_cache_only["requests"] == rr["requests"] == 5
+    assert kv_cache_only["of_ceiling"] == pytest.approx(1.0)
+    assert kv_cache_only["max_min_requests"] == float("inf")  # one worker took all five
+    assert kv["hit_rate"] > rr["hit_rate"] and kv["of_ceiling"] > rr["of_ceiling"]
 
 
 def test_replay_routing_command_runs_and_rejects_unknown_policies(logged, capsys):

@@ -89,3 +89,35 @@ async def test_routes_to_the_worker_whose_kv_events_hold_the_prompt_until_it_res
     await kv(bus, "p1", 0, AllBlocksCleared())  # restarted in place
     d = await route(bus, "r2")
     assert d.best_cached_tokens == 0 and d.predicted_cached_tokens == 0
+
+
+async def test_with_no_live_prefill_worker_the_router_places_the_prefill_on_the_decode_worker(
+    settings: CommonSettings,
+):
+    """A router whose only live worker is a decode worker answers `local` (the decode worker prefills
+    itself) instead of rejecting the request with NO_WORKERS."""
+    b = await Bus.connect(
+        settings.model_copy(update={"subject_prefix": settings.subject_prefix + "rtlocal"}), "test"
+    )
+    cleanup = await setup(b, RouterSettings(**b.settings.model_dump()))
+    try:
+        await b.publish(
+            b.subjects.heartbeat("d0"),
+            Heartbeat(
+                worker_id="d0",
+                role=Role.DECODE,
+                descriptor=DESC,
+                num_running=0,
+                num_waiting=0,
+                kv_capacity_tokens=4096,
+                kv_free_tokens=4096,
+                ts=time.time(),
+            ),
+        )
+        await b.nc.flush()
+        await asyncio.sleep(0.05)
+        d = await route(b, "r-local")
+        assert (d.mode, d.prefill_worker_id, d.decode_worker_id) == ("local", "d0", "d0")
+    finally:
+        await cleanup()
+        await b.close()

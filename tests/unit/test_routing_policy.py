@@ -20,6 +20,7 @@ from pdserve.messages import (
     Role,
     RouteRequest,
 )
+from pdserve.routing.active_load import ActiveLoad
 from pdserve.routing.cache_model import PrefixCacheModel
 from pdserve.routing.placement import Placer
 from pdserve.routing.policy import (
@@ -50,7 +51,15 @@ def hb(worker_id: str, role: Role, running: int = 0, descriptor: CompatibilityDe
     )
 
 
-def cand(wid: str, cached: int = 0, prefill: int = 0, decode: int = 0, active: int = 0, blocks: int = 10):
+def cand(
+    wid: str,
+    cached: int = 0,
+    prefill: int = 0,
+    decode: int = 0,
+    active: int = 0,
+    blocks: int = 10,
+    recent: float = 0.0,
+):
     return Candidate(
         worker_id=wid,
         role=Role.PREFILL,
@@ -60,6 +69,7 @@ def cand(wid: str, cached: int = 0, prefill: int = 0, decode: int = 0, active: i
         active_decode_blocks=decode,
         active_requests=active,
         kv_usage=0.0,
+        recent_requests=recent,
     )
 
 
@@ -99,6 +109,39 @@ def test_kv_prefers_the_cached_worker_until_its_queue_outweighs_the_hit():
     assert policy.select([cand("a"), cand("b", cached=8)]) == 1
     assert policy.select([cand("a"), cand("b", cached=8, prefill=8)]) == 1  # equal cost: take the hit
     assert policy.select([cand("a"), cand("b", cached=8, prefill=9)]) == 0
+
+
+def test_queued_blocks_weighted_below_uncached_keep_a_request_on_its_warm_worker():
+    """Dynamo's weight 1 sends the request to the idle cold worker once the warm queue exceeds the hit;
+    at 0.25 a queue of 9 blocks costs 2.25, less than the 8 uncached blocks the cold worker computes."""
+    warm, cold = cand("a", cached=8, prefill=9), cand("b")
+    assert KVCost(active_prefill_weight=1.0).select([warm, cold]) == 1
+    assert KVCost(active_prefill_weight=0.25).select([warm, cold]) == 0
+    assert KVCost(active_prefill_weight=0.25).select([cand("a", cached=8, prefill=40), cold]) == 1
+
+
+def test_balance_term_sends_what_the_cache_does_not_decide_to_the_worker_with_least_recent_traffic():
+    policy = KVCost(balance_weight=0.25)
+    shared = [cand("a", cached=2, recent=40), cand("b", cached=2, recent=10), cand("c", cached=2, recent=20)]
+    assert policy.select(shared) == 1
+    # A shared system prompt cached only on the busiest worker does not outweigh its share of traffic...
+    assert policy.select([cand("a", cached=2, recent=40), cand("b", recent=10), cand("c", recent=20)]) == 1
+    # ...while a conversation's own history does: it sticks.
+    assert policy.select([cand("a", cached=8, recent=40), cand("b", recent=10), cand("c", recent=20)]) == 0
+    assert KVCost().select([cand("a", cached=2, recent=40), cand("b", recent=10)]) == 0  # β = 0: Dynamo
+
+
+def test_kv_ties_go_to_the_cache_then_load_then_recent_traffic_never_to_list_order():
+    policy = KVCost()
+    assert policy.select([cand("a", active=2), cand("b", active=1), cand("c", active=3)]) == 1
+    assert policy.select([cand("a", active=1, recent=5), cand("b", active=1, recent=2)]) == 1
+    assert policy.select([cand("a", recent=1), cand("b", recent=9), cand("c", recent=0.5)]) == 2
+
+
+def test_imbalance_guard_sends_to_the_least_loaded_whatever_is_cached():
+    policy = KVCost(active_prefill_weight=0.0, balance_abs_threshold=4, balance_rel_threshold=1.5)
+    assert policy.select([cand("a", cached=9, active=10), cand("b", active=1)]) == 1  # 9 > 4, 10 > 1.5
+    assert policy.select([cand("a", cached=9, active=4), cand("b", active=1)]) == 0  # 3 ≤ 4: the cache
 
 
 def test_kv_with_temperature_samples_cheaper_workers_more_often():
@@ -194,9 +237,32 @@ def test_local_prefill_counts_what_the_decode_worker_has_cached():
 
 
 def test_incompatible_workers_are_never_paired():
+    """d0 cannot take p0's KV: it prefills for itself rather than being paired with p0."""
     p = Placer(RouterSettings())
     p.observe_heartbeat(hb("p0", Role.PREFILL))
     p.observe_heartbeat(hb("d0", Role.DECODE, descriptor=DESC.model_copy(update={"block_size": 32})))
+    d = p.route(req("r", PROMPT))
+    assert (d.mode, d.prefill_worker_id, d.decode_worker_id) == ("local", "d0", "d0")
+
+
+def test_with_no_live_prefill_worker_the_decode_worker_prefills_itself():
+    now = [0.0]
+    p = Placer(RouterSettings(heartbeat_timeout_s=3.0), clock=lambda: now[0])
+    for h in (hb("p0", Role.PREFILL), hb("d0", Role.DECODE, running=2), hb("d1", Role.DECODE)):
+        p.observe_heartbeat(h)
+    assert p.route(req("r1", PROMPT)).mode == "disaggregated"
+    p.release("r1")
+    now[0] = 4.0  # p0 went silent; the decode workers still beat
+    p.observe_heartbeat(hb("d0", Role.DECODE, running=2))
+    p.observe_heartbeat(hb("d1", Role.DECODE))
+    d = p.route(req("r2", PROMPT))
+    assert (d.mode, d.prefill_worker_id, d.decode_worker_id) == ("local", "d1", "d1")  # the less loaded
+    assert d.best_cached_tokens == 0 and {c.worker_id for c in d.candidates} == {"d0", "d1"}
+
+
+def test_with_no_decode_or_unified_worker_routing_is_rejected():
+    p = Placer(RouterSettings())
+    p.observe_heartbeat(hb("p0", Role.PREFILL))
     with pytest.raises(RejectedError) as e:
         p.route(req("r", PROMPT))
     assert e.value.code is RejectCode.NO_WORKERS
@@ -245,6 +311,20 @@ def test_bookings_spread_a_burst_and_are_released_when_the_request_ends():
     assert p.load.kv_blocks("d0") == 0 and len(p.load) == 0
 
 
+def test_recent_requests_is_an_exponentially_weighted_count_of_placements():
+    load = ActiveLoad(window=4)  # each placement scales every count by 3/4
+    for i, wid in enumerate(["a", "a", "b", "a"]):
+        load.book(f"r{i}", wid, 1, "d0", 1)
+    assert load.recent_requests("a") == pytest.approx(0.75**3 + 0.75**2 + 1)
+    assert load.recent_requests("b") == pytest.approx(0.75) and load.recent_requests("d0") == 0
+    for i in range(4):
+        load.release(f"r{i}")  # finished requests are still recent traffic
+    assert load.recent_requests("a") == pytest.approx(0.75**3 + 0.75**2 + 1) and len(load) == 0
+    for i in range(100):
+        load.book(f"s{i}", "a", 1, "d0", 1)
+    assert load.recent_requests("a") + load.recent_requests("b") <= 4
+
+
 def test_a_shared_system_prompt_under_load_does_not_send_all_traffic_to_one_worker():
     """Every request starts with the same 512-token system prompt, which only p0 has cached at first;
     requests arrive faster than prefills finish (six in flight). Each worker's prefix cache publishes
@@ -271,3 +351,41 @@ def test_a_shared_system_prompt_under_load_does_not_send_all_traffic_to_one_work
             p.prefill_done(rid)
     assert set(picks) == {"p0", "p1", "p2"}
     assert max(picks.values()) <= 0.5 * 60, picks
+
+
+def test_new_conversations_spread_evenly_over_the_workers_and_then_stick_to_theirs():
+    """Every conversation starts with the same 128-token system prompt, cached at first on p0 only; each
+    turn's prompt is the whole history; a prefill ends (and its KV events arrive) three decisions after
+    it was routed. With Dynamo's cost alone conversations start where the system prompt is cached and
+    pile up there; the balance term spreads the starts, and each conversation's own history then keeps
+    it on its worker."""
+    p = placer()
+    caches = {w: PrefixCacheModel(w, 4096) for w in ("p0", "p1", "p2")}
+    for c in caches.values():
+        p.observe_kv_events(c.start())
+    system = list(range(128))
+    p.observe_kv_events(caches["p0"].prefill(hash_blocks(system, 16))[1])
+    rng = random.Random(0)
+    history = {c: list(system) for c in range(24)}
+    placed: dict[int, list[str]] = {c: [] for c in range(24)}
+    in_flight: list[tuple[str, str, list[int]]] = []
+    for turn in range(4):
+        for c in range(24):
+            history[c] += [rng.randrange(49152) for _ in range(48)]  # the user's message
+            rid = f"c{c}-{turn}"
+            wid = p.route(req(rid, history[c])).prefill_worker_id
+            placed[c].append(wid)
+            in_flight.append((rid, wid, list(history[c])))
+            if len(in_flight) > 3:
+                done, where, tokens = in_flight.pop(0)
+                _, events = caches[where].prefill(hash_blocks(tokens, 16))
+                if events:
+                    p.observe_kv_events(events)
+                p.prefill_done(done)
+                p.release(done)
+            history[c] += [rng.randrange(49152) for _ in range(64)]  # the assistant's reply
+    starts = Counter(ws[0] for ws in placed.values())
+    requests = Counter(w for ws in placed.values() for w in ws)
+    assert len(starts) == 3 and max(starts.values()) <= 1.5 * min(starts.values()), starts
+    assert max(requests.values()) <= 1.5 * min(requests.values()), requests
+    assert sum(len(set(ws)) > 1 for ws in placed.values()) <= 3, placed  # Dynamo's cost alone: 10 moved

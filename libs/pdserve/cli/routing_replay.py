@@ -19,7 +19,12 @@ from pdserve.routing.report import RoutedRequest, summarize
 from pdserve.store.queries import make_engine
 
 console = Console(highlight=False)
-WEIGHT_KEYS = {"overlap": "overlap_score_weight", "temperature": "temperature"}
+WEIGHT_KEYS = {
+    "overlap": "overlap_score_weight",
+    "temperature": "temperature",
+    "queue": "active_prefill_weight",
+    "balance": "balance_weight",
+}
 
 
 def parse_weights(text: str) -> dict[str, float]:
@@ -117,7 +122,8 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
         "--weights",
         type=parse_weights,
         default=None,
-        help="With --routing: kv weights, e.g. overlap=2,temperature=0.1 (default: RouterSettings').",
+        help="With --routing: kv weights, e.g. overlap=2,temperature=0.1,queue=1,balance=0 (default: "
+        "RouterSettings').",
     )
     p.add_argument(
         "--capacity-blocks",

@@ -6,6 +6,12 @@ first token signals prefill completion, active decode blocks when the request co
 Router → Routing Concepts), the router books each request's prefill blocks on its prefill worker and its
 KV blocks on its decode worker at decision time, and releases them on the request's `PrefillCompleted`
 and terminal events. Bookings older than `max_age_s` are dropped, so a lost event cannot leak load.
+
+Beside those instantaneous counts it keeps a stable one for the router's balance term: per worker, an
+exponentially weighted count of the decisions that placed a prefill there, over about `window` decisions
+(each booking scales every count by 1 − 1/window and adds 1 to its prefill worker; the counts sum to at
+most `window`). Conversations that stick to a worker keep adding to its count, so it tells where the
+recent traffic went even while every queue is momentarily empty.
 """
 
 from __future__ import annotations
@@ -29,9 +35,13 @@ class ActiveLoad:
     """Per worker: uncached blocks of prefills queued or running, KV blocks held by booked requests, and
     the number of requests in either phase (all in blocks of the workers' block size)."""
 
-    def __init__(self, max_age_s: float = 600.0, clock: Callable[[], float] = time.monotonic) -> None:
+    def __init__(
+        self, max_age_s: float = 600.0, clock: Callable[[], float] = time.monotonic, window: int = 128
+    ) -> None:
         self.max_age_s = max_age_s
         self.clock = clock
+        self.window = window
+        self._recent: dict[str, float] = {}
         self._bookings: dict[str, Booking] = {}
         self._prefill_blocks: dict[str, int] = {}
         self._kv_blocks: dict[str, int] = {}
@@ -62,6 +72,10 @@ class ActiveLoad:
         b = Booking(prefill_worker_id, prefill_blocks, decode_worker_id, decode_blocks, self.clock())
         self._bookings[request_id] = b
         self._apply(b, +1)
+        decay = 1.0 - 1.0 / self.window
+        for wid in self._recent:
+            self._recent[wid] *= decay
+        self._recent[prefill_worker_id] = self._recent.get(prefill_worker_id, 0.0) + 1.0
 
     def prefill_done(self, request_id: str) -> None:
         """The request's prefill finished: its prefill blocks no longer load the prefill worker."""
@@ -96,6 +110,10 @@ class ActiveLoad:
     def requests(self, worker_id: str) -> int:
         """Requests booked on the worker and not finished there (prefill pending, or decoding)."""
         return self._requests.get(worker_id, 0)
+
+    def recent_requests(self, worker_id: str) -> float:
+        """The worker's exponentially weighted count of recent prefill placements (module docstring)."""
+        return self._recent.get(worker_id, 0.0)
 
     def __len__(self) -> int:
         return len(self._bookings)

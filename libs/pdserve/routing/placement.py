@@ -6,7 +6,10 @@ active requests). Conditional disaggregation (Dynamo's disaggregated router: pre
 the prefill is long, "max_local_prefill_length"): if the prompt's uncached tokens on that decode worker
 are at most `local_prefill_max_tokens` and it has at most `local_prefill_max_active_requests` active
 requests, it prefills locally (mode `local`). Otherwise the policy picks the prefill worker among those
-compatible with the decode worker. Unified workers only: the policy picks one (mode `colocated`).
+compatible with the decode worker. Unified workers only: the policy picks one (mode `colocated`). Decode
+workers but no live compatible prefill worker (all died, or none started yet): the least loaded decode
+worker prefills locally rather than the request failing (Dynamo's disaggregated router likewise falls
+back to local prefill when no prefill worker is available).
 
 Every decision records each candidate's cost terms, the predicted cached tokens on the chosen prefill
 worker, and the most cached tokens any candidate held (the perfect-router ceiling for this request).
@@ -54,12 +57,10 @@ class Placer:
         clock: Callable[[], float] = time.monotonic,
     ) -> None:
         self.settings = settings
-        self.policy = policy or make_policy(
-            settings.policy, settings.overlap_score_weight, settings.temperature, settings.seed
-        )
+        self.policy = policy or make_policy(settings.policy, settings)
         self.registry = WorkerRegistry(settings.heartbeat_timeout_s, clock)
         self.index = KVIndex(settings.kv_index_ttl_s, clock)
-        self.load = ActiveLoad(settings.booking_max_age_s, clock)
+        self.load = ActiveLoad(settings.booking_max_age_s, clock, settings.balance_window_requests)
 
     # ------------------------------------------------------------ inputs
 
@@ -104,6 +105,7 @@ class Placer:
             active_decode_blocks=self.load.kv_blocks(wid) + (prompt_blocks if decodes_here else 0),
             active_requests=max(state.active_requests, self.load.requests(wid)),
             kv_usage=state.kv_usage,
+            recent_requests=self.load.recent_requests(wid),
         )
 
     def route(self, req: RouteRequest, block_hashes: Sequence[int] | None = None) -> RouteDecision:
@@ -122,19 +124,14 @@ class Placer:
             return memo[key]
 
         prefill, decode = self.registry.live(Role.PREFILL), self.registry.live(Role.DECODE)
-        decode = [
+        paired = [
             d
             for d in decode
             if any(WorkerRegistry.compatible(p.heartbeat.descriptor, d.heartbeat.descriptor) for p in prefill)
         ]
         n = req.num_prompt_tokens
-        if decode:
-            d_cands = [self._candidate(d, n, hashes_for(d.heartbeat.descriptor), True) for d in decode]
-            di = min(
-                range(len(d_cands)),
-                key=lambda i: (d_cands[i].active_decode_blocks, d_cands[i].active_requests, i),
-            )
-            d_state, d_cand = decode[di], d_cands[di]
+        if paired:
+            d_state, d_cand, d_cands = self._decode_worker(paired, n, hashes_for)
             desc = d_state.heartbeat.descriptor
             local_ok = self.settings.local_prefill_max_tokens > 0
             if (
@@ -142,21 +139,37 @@ class Placer:
                 and d_cand.uncached_blocks * desc.block_size <= self.settings.local_prefill_max_tokens
                 and d_cand.active_requests <= self.settings.local_prefill_max_active_requests
             ):
-                return self._decide(req, "local", d_cand, d_cand, [d_cand], d_cands, desc, hashes_for(desc))
+                return self._decide(req, "local", d_cand, d_cand, [d_cand], [d_cands], desc, hashes_for(desc))
             p_states = [p for p in prefill if WorkerRegistry.compatible(p.heartbeat.descriptor, desc)]
             p_cands = [self._candidate(p, n, hashes_for(desc), False) for p in p_states]
             chosen = p_cands[self.policy.select(p_cands)]
             ceiling = p_cands + ([d_cand] if local_ok else [])
             return self._decide(
-                req, "disaggregated", chosen, d_cand, ceiling, p_cands + d_cands, desc, hashes_for(desc)
+                req, "disaggregated", chosen, d_cand, ceiling, [p_cands, d_cands], desc, hashes_for(desc)
             )
         unified = self.registry.live(Role.UNIFIED)
         if unified:
             u_cands = [self._candidate(u, n, hashes_for(u.heartbeat.descriptor), True) for u in unified]
             chosen = u_cands[self.policy.select(u_cands)]
             desc = unified[u_cands.index(chosen)].heartbeat.descriptor
-            return self._decide(req, "colocated", chosen, chosen, u_cands, u_cands, desc, hashes_for(desc))
-        raise RejectedError(RejectCode.NO_WORKERS, "no live compatible prefill+decode pair or unified worker")
+            return self._decide(req, "colocated", chosen, chosen, u_cands, [u_cands], desc, hashes_for(desc))
+        if decode:  # no live compatible prefill worker: a decode worker prefills itself
+            d_state, d_cand, d_cands = self._decode_worker(decode, n, hashes_for)
+            desc = d_state.heartbeat.descriptor
+            return self._decide(req, "local", d_cand, d_cand, d_cands, [d_cands], desc, hashes_for(desc))
+        raise RejectedError(RejectCode.NO_WORKERS, "no live decode worker or unified worker")
+
+    def _decode_worker(
+        self,
+        states: list[WorkerState],
+        num_tokens: int,
+        hashes_for: Callable[[CompatibilityDescriptor], list[int]],
+    ) -> tuple[WorkerState, Candidate, list[Candidate]]:
+        """The decode worker among `states`: the fewest booked decode blocks, then the fewest active
+        requests, then id order. Returns its state, its candidate and every state's candidate."""
+        cands = [self._candidate(d, num_tokens, hashes_for(d.heartbeat.descriptor), True) for d in states]
+        i = min(range(len(cands)), key=lambda i: (cands[i].active_decode_blocks, cands[i].active_requests, i))
+        return states[i], cands[i], cands
 
     def _decide(
         self,
@@ -165,12 +178,15 @@ class Placer:
         prefill: Candidate,
         decode: Candidate,
         ceiling: list[Candidate],
-        recorded: list[Candidate],
+        recorded: list[list[Candidate]],
         desc: CompatibilityDescriptor,
         hashes: list[int],
     ) -> RouteDecision:
         bs = desc.block_size
-        scores = self.policy.scores(recorded)
+        # Each group scored on its own (the prefill candidates among themselves, as the policy chose).
+        costs = [
+            (c, sc) for group in recorded for c, sc in zip(group, self.policy.scores(group), strict=True)
+        ]
         self.load.book(
             req.request_id, prefill.worker_id, prefill.uncached_blocks, decode.worker_id, decode.prompt_blocks
         )
@@ -179,7 +195,7 @@ class Placer:
             mode=mode,
             prefill_worker_id=prefill.worker_id,  # type: ignore[arg-type]
             decode_worker_id=decode.worker_id,
-            candidates=tuple(c.cost_record(s) for c, s in zip(recorded, scores, strict=True)),
+            candidates=tuple(c.cost_record(sc) for c, sc in costs),
             predicted_cached_tokens=prefill.cached_blocks * bs,
             best_cached_tokens=max(c.cached_blocks for c in ceiling) * bs,
             policy=self.policy.name,

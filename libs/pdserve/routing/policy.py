@@ -4,16 +4,30 @@ A policy sees one `Candidate` per compatible worker — its cached blocks for th
 index) and its load (from the router's bookings and the worker's heartbeat) — and picks one. Every
 policy also reports each candidate's score, so the decision is auditable from `RequestRouted`.
 
-`kv` is Dynamo's KV router cost (docs.nvidia.com/dynamo, Router → Routing Concepts, "Cost
+`kv` starts from Dynamo's KV router cost (docs.nvidia.com/dynamo, Router → Routing Concepts, "Cost
 Calculation" and "Worker Selection"):
 
     cost = overlap_score_weight · prefill_blocks + decode_blocks
-    prefill_blocks = uncached prompt blocks + active prefill blocks
+    prefill_blocks = uncached prompt blocks + active_prefill_weight · active prefill blocks
     decode_blocks  = active decode blocks (+ the request's own blocks where it will decode)
 
-lowest cost wins; with `temperature` > 0 the worker is sampled by softmax over the costs normalised to
-[0, 1] (min-max), logits −cost/temperature, as Dynamo's `--router-temperature` does. `round_robin`,
-`least_loaded` and `random` are the comparison baselines (Dynamo's `--router-mode round-robin|random`).
+and adds a stable load term, vLLM production-stack's load-aware routing (docs.vllm.ai/projects/
+production-stack, "Load Aware Routing": score = matched/prompt − β · relative_load) written in blocks:
+
+    + balance_weight · prompt_blocks · (r − mean r) / max(1, mean r)
+
+r being each candidate's exponentially weighted share of recent routing decisions (`ActiveLoad`). Two
+departures from Dynamo, both measured in docs/benchmarks/routing.md: Dynamo has active_prefill_weight 1,
+which sends a request away from the worker holding its prefix as soon as that worker's queue outweighs
+the hit (a TTFT-neutral trade that duplicates the prefix elsewhere and evicts other prefixes there); and
+without the r term, a prompt whose only cached part is shared by everyone (a system prompt) goes to
+whichever worker cached it first, so sticky conversations pile up there. Guard (SGLang's cache-aware
+router, `--balance-abs-threshold` / `--balance-rel-threshold`): when the candidates' active requests are
+imbalanced by both thresholds, the least loaded candidate wins whatever is cached. Lowest cost wins, ties
+to the most cached blocks, then the fewest active requests, then the smallest r; with `temperature` > 0
+the worker is sampled by softmax over the costs normalised to [0, 1] (min-max), logits −cost/temperature,
+as Dynamo's `--router-temperature` does. `round_robin`, `least_loaded` and `random` are the comparison
+baselines (Dynamo's `--router-mode round-robin|random`).
 """
 
 from __future__ import annotations
@@ -25,6 +39,7 @@ from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import ClassVar
 
+from pdserve.config import RouterSettings
 from pdserve.messages import CandidateCost, Role
 
 
@@ -37,7 +52,8 @@ class Candidate:
     placed there and not finished; `active_decode_blocks`: KV blocks held there by requests decoding
     there (Dynamo's "active blocks"; 0 on a prefill worker), plus this request's own when it would decode
     there; `active_requests`: requests there now;
-    `kv_usage`: fraction of its KV capacity in use (heartbeat), 0..1."""
+    `kv_usage`: fraction of its KV capacity in use (heartbeat), 0..1; `recent_requests`: its exponentially
+    weighted count of recent routing decisions (`ActiveLoad.recent_requests`), the stable load."""
 
     worker_id: str
     role: Role
@@ -47,6 +63,7 @@ class Candidate:
     active_decode_blocks: int
     active_requests: int
     kv_usage: float
+    recent_requests: float = 0.0
 
     @property
     def uncached_blocks(self) -> int:
@@ -83,50 +100,79 @@ class RoutingPolicy(ABC):
     def select(self, candidates: Sequence[Candidate]) -> int:
         """Index of the chosen candidate: the lowest score, ties to the fewest active requests, then in
         turn (so idle workers share cold prompts instead of the first taking them all)."""
-        return self._argmin(candidates, self.scores(candidates), prefer_cached=False)
-
-    def _argmin(self, candidates: Sequence[Candidate], scores: Sequence[float], prefer_cached: bool) -> int:
+        scores = self.scores(candidates)
         n, turn = len(candidates), self._tie_turn
         self._tie_turn += 1
-        return min(
-            range(n),
-            key=lambda i: (
-                scores[i],
-                -candidates[i].cached_blocks if prefer_cached else 0,
-                candidates[i].active_requests,
-                (i - turn) % n,
-            ),
-        )
+        return min(range(n), key=lambda i: (scores[i], candidates[i].active_requests, (i - turn) % n))
 
 
 class KVCost(RoutingPolicy):
-    """Dynamo's KV-aware cost (module docstring). `overlap_score_weight` ≥ 0: higher favours cache
-    reuse (TTFT), lower favours spreading load (ITL); Dynamo's default is 1.0. `temperature` ≥ 0:
-    0 is deterministic (Dynamo's default), higher spreads more. `seed` makes the sampling repeatable."""
+    """The KV-aware cost (module docstring). `overlap_score_weight` ≥ 0: higher favours cache reuse
+    (TTFT), lower favours spreading decode load (ITL); Dynamo's default is 1.0. `active_prefill_weight`
+    ≥ 0: how much a queued prefill block counts against an uncached one of this request (Dynamo: 1).
+    `balance_weight` ≥ 0: β of the stable load term (0 = off). `balance_abs_threshold`,
+    `balance_rel_threshold`: the imbalance guard. `temperature` ≥ 0: 0 is deterministic (Dynamo's
+    default), higher spreads more. `seed` makes the sampling repeatable."""
 
     name = "kv"
 
     def __init__(
-        self, overlap_score_weight: float = 1.0, temperature: float = 0.0, seed: int | None = None
+        self,
+        overlap_score_weight: float = 1.0,
+        temperature: float = 0.0,
+        seed: int | None = None,
+        active_prefill_weight: float = 1.0,
+        balance_weight: float = 0.0,
+        balance_abs_threshold: int = 64,
+        balance_rel_threshold: float = 1.5,
     ) -> None:
-        if overlap_score_weight < 0 or temperature < 0:
-            raise ValueError("overlap_score_weight and temperature must be ≥ 0")
+        if min(overlap_score_weight, temperature, active_prefill_weight, balance_weight) < 0:
+            raise ValueError("weights and temperature must be ≥ 0")
         self.overlap_score_weight = overlap_score_weight
         self.temperature = temperature
+        self.active_prefill_weight = active_prefill_weight
+        self.balance_weight = balance_weight
+        self.balance_abs_threshold = balance_abs_threshold
+        self.balance_rel_threshold = balance_rel_threshold
         self._rng = random.Random(seed)
 
     def scores(self, candidates: Sequence[Candidate]) -> list[float]:
-        w = self.overlap_score_weight
+        w, q, beta = self.overlap_score_weight, self.active_prefill_weight, self.balance_weight
+        mean_r = sum(c.recent_requests for c in candidates) / len(candidates)
+        norm = max(1.0, mean_r)
         return [
-            w * (c.uncached_blocks + c.active_prefill_blocks) + c.active_decode_blocks for c in candidates
+            w * (c.uncached_blocks + q * c.active_prefill_blocks)
+            + c.active_decode_blocks
+            + beta * c.prompt_blocks * (c.recent_requests - mean_r) / norm
+            for c in candidates
         ]
 
+    def imbalanced(self, candidates: Sequence[Candidate]) -> bool:
+        """SGLang's test: max − min active requests > abs threshold and max > rel threshold · min."""
+        active = [c.active_requests for c in candidates]
+        hi, lo = max(active), min(active)
+        return hi - lo > self.balance_abs_threshold and hi > self.balance_rel_threshold * lo
+
     def select(self, candidates: Sequence[Candidate]) -> int:
-        """Lowest cost; ties to the most cached blocks (equal cost, so take the hit and leave the other
-        workers' caches to other prefixes), then as `RoutingPolicy.select`. With a temperature, sampled."""
-        if self.temperature == 0:
-            return self._argmin(candidates, self.scores(candidates), prefer_cached=True)
-        return softmax_sample(self.scores(candidates), self.temperature, self._rng)
+        """Imbalanced: the fewest active requests (ties to the most cached). Otherwise the lowest cost;
+        ties to the most cached blocks (equal cost, so take the hit and leave the other workers' caches
+        to other prefixes), then the fewest active requests, then the smallest stable load. With a
+        temperature, sampled."""
+        n = len(candidates)
+        if self.imbalanced(candidates):
+            return min(range(n), key=lambda i: (candidates[i].active_requests, -candidates[i].cached_blocks))
+        scores = self.scores(candidates)
+        if self.temperature > 0:
+            return softmax_sample(scores, self.temperature, self._rng)
+        return min(
+            range(n),
+            key=lambda i: (
+                scores[i],
+                -candidates[i].cached_blocks,
+                candidates[i].active_requests,
+                candidates[i].recent_requests,
+            ),
+        )
 
 
 def softmax_sample(costs: Sequence[float], temperature: float, rng: random.Random) -> int:
@@ -187,16 +233,24 @@ class Random(RoutingPolicy):
 POLICY_NAMES = ("kv", "round_robin", "least_loaded", "random")
 
 
-def make_policy(
-    name: str, overlap_score_weight: float = 1.0, temperature: float = 0.0, seed: int | None = None
-) -> RoutingPolicy:
-    """The policy called `name` (one of `POLICY_NAMES`). Raises ValueError for another name."""
+def make_policy(name: str, settings: RouterSettings | None = None) -> RoutingPolicy:
+    """The policy called `name` (one of `POLICY_NAMES`), its knobs from `settings` (default
+    `RouterSettings()`'s). Raises ValueError for another name."""
+    st = settings or RouterSettings()
     if name == "kv":
-        return KVCost(overlap_score_weight, temperature, seed)
+        return KVCost(
+            st.overlap_score_weight,
+            st.temperature,
+            st.seed,
+            active_prefill_weight=st.active_prefill_weight,
+            balance_weight=st.balance_weight,
+            balance_abs_threshold=st.balance_abs_threshold,
+            balance_rel_threshold=st.balance_rel_threshold,
+        )
     if name == "round_robin":
         return RoundRobin()
     if name == "least_loaded":
         return LeastLoaded()
     if name == "random":
-        return Random(seed)
+        return Random(st.seed)
     raise ValueError(f"unknown routing policy {name!r}; choose one of {', '.join(POLICY_NAMES)}")
