@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import json
 from datetime import UTC, datetime
 
 from pdserve.events import (
@@ -26,6 +27,7 @@ from pdserve.events import (
 from pdserve.ids import new_id
 from pdserve.messages import CandidateCost
 from pdserve.store.projection import apply, fold
+from pdserve.store.rows import EVENT_COLUMNS, event_record, event_row
 
 T0 = 1_700_000_000.0  # 2023-11-14, before any test run
 
@@ -239,3 +241,11 @@ def test_fold_does_not_mutate_its_input_row():
     snapshot = dict(row)
     apply(row, events[1], 2)
     assert row == snapshot
+
+
+def test_copy_record_of_an_event_is_its_row_in_column_order():
+    event = full_lifecycle(new_id())[1]
+    record = event_record(42, event)
+    row = event_row(event, 42)
+    assert record[:-1] == tuple(row[c] for c in EVENT_COLUMNS[:-1])
+    assert EVENT_COLUMNS[-1] == "payload" and json.loads(record[-1]) == row["payload"]
