@@ -5,9 +5,13 @@ from __future__ import annotations
 
 import os
 from collections.abc import AsyncIterator, Iterator
+from contextlib import asynccontextmanager
+from pathlib import Path
 
 import pytest
 
+from pdserve.config import CommonSettings
+from pdserve.service_plan import ServiceSpec
 from pdserve.store.queries import make_engine
 from tests.e2e.stack import Stack
 
@@ -37,6 +41,20 @@ def fault_stack(isolated_settings, tmp_path_factory, fault_env) -> Iterator[Stac
         stack.stop()
 
 
+class EnvStack(Stack):
+    """A `Stack` whose services start with `env` on top, and service `name` with `service_env[name]` on top
+    of that (each service reads only the variables that concern it)."""
+
+    def __init__(self, settings: CommonSettings, var_dir: Path, env: dict[str, str],
+                 service_env: dict[str, dict[str, str]] | None = None, **kwargs) -> None:
+        super().__init__(settings, var_dir, **kwargs)
+        self.extra_env = env
+        self.service_env = service_env or {}
+
+    def env(self, spec: ServiceSpec) -> dict[str, str]:
+        return {**super().env(spec), **self.extra_env, **self.service_env.get(spec.name, {})}
+
+
 @pytest.fixture(scope="session")
 def reference(settings):
     """(model, tokenizer) of the tiny Llama in this process: the greedy oracle."""
@@ -47,16 +65,34 @@ def reference(settings):
     return LlamaModel(loaded.config, loaded.weights), loaded.tokenizer
 
 
-@pytest.fixture
-async def store(fault_stack) -> AsyncIterator:
-    """(event store engine, bus): what `recorded_lifecycles` reads and asks `caught_up`."""
+@pytest.fixture(scope="session")
+def smollm2_reference(smollm2):
+    """(model, tokenizer) of SmolLM2-135M-Instruct in this process: the greedy oracle of SmolLM2 stacks."""
+    from pdserve.engine.model import LlamaModel
+
+    return LlamaModel(smollm2.config, smollm2.weights), smollm2.tokenizer
+
+
+@asynccontextmanager
+async def open_store(settings: CommonSettings) -> AsyncIterator:
+    """(event store engine, bus) of a stack's settings: what `recorded_lifecycles` reads and asks
+    `caught_up`; the bus also serves tests that watch the stack's subjects."""
     from pdserve.bus import Bus
 
-    engine = make_engine(fault_stack.settings.database_url)
-    bus = await Bus.connect(fault_stack.settings, "fault-test")
-    yield engine, bus
-    await bus.close()
-    await engine.dispose()
+    engine = make_engine(settings.database_url)
+    bus = await Bus.connect(settings, "fault-test")
+    try:
+        yield engine, bus
+    finally:
+        await bus.close()
+        await engine.dispose()
+
+
+@pytest.fixture
+async def store(fault_stack) -> AsyncIterator:
+    """(event store engine, bus) of the fault stack."""
+    async with open_store(fault_stack.settings) as s:
+        yield s
 
 
 def spec_of(stack: Stack, name: str):

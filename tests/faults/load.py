@@ -54,6 +54,7 @@ class Result:
     resumes: int = 0
     last_event_id: str | None = None
     status: int = 0
+    retry_after: str | None = None  # the Retry-After header of a refusal (503)
     tokens_seen: int = 0  # SSE ids: output tokens consumed so far
     events: list = field(default_factory=list)
 
@@ -107,6 +108,7 @@ def stream_one(
             result.request_id = resp.headers.get("x-request-id", "")
             if resp.status_code != 200:
                 result.error = resp.read().decode()
+                result.retry_after = resp.headers.get("retry-after")
                 return result
             if _consume(resp, result, progress):
                 return result
@@ -169,12 +171,13 @@ def run_load(
         return [f.result() for f in futures]
 
 
-_EXPECTED: dict[tuple[str, int], list[int]] = {}
+_EXPECTED: dict[tuple[int, str, int], list[int]] = {}
 
 
 def expected_outputs(reference, prompts: list[str], max_tokens: int) -> dict[str, list[int]]:
     """Greedy token ids per prompt from one process without transfer (the oracle), computed once per
-    (prompt, max_tokens) in this session on one torch thread (the stack's workers hold the other core)."""
+    (model, prompt, max_tokens) in this session on one torch thread (the stack's workers hold the other
+    core). `reference` is a session fixture's (model, tokenizer), so the model's id is stable."""
     import torch
 
     from pdserve.engine.model import generate_greedy
@@ -182,9 +185,9 @@ def expected_outputs(reference, prompts: list[str], max_tokens: int) -> dict[str
     model, tokenizer = reference
     torch.set_num_threads(1)
     for p in set(prompts):
-        if (p, max_tokens) not in _EXPECTED:
-            _EXPECTED[p, max_tokens] = generate_greedy(model, tokenizer.encode(p), max_tokens)
-    return {p: _EXPECTED[p, max_tokens] for p in set(prompts)}
+        if (id(model), p, max_tokens) not in _EXPECTED:
+            _EXPECTED[id(model), p, max_tokens] = generate_greedy(model, tokenizer.encode(p), max_tokens)
+    return {p: _EXPECTED[id(model), p, max_tokens] for p in set(prompts)}
 
 
 async def recorded_lifecycles(store, request_ids: list[str], timeout_s: float = 60.0) -> dict[str, list]:
