@@ -38,6 +38,7 @@ MIN_TRANSFER_BYTES = 64 * MIB
 # Chunks in flight per transfer (--in-flight). 1 = each send awaited before the next; a prefill worker
 # that fires every layer's send without waiting is closer to >1.
 IN_FLIGHT = 1
+CMA_METHOD = "kernel cross-process copy (process_vm_readv)"
 
 
 @dataclass(frozen=True)
@@ -197,6 +198,52 @@ def measure_local(name: str, op, sizes: list[int], reps: int, bar: tqdm) -> list
     return rows
 
 
+def _cma_source(size: int, conn: Connection) -> None:
+    """Child process: hold a source buffer of `size` bytes and tell the parent where it is."""
+    import os
+
+    src = np.random.default_rng(0).integers(0, 256, size, np.uint8)
+    conn.send((os.getpid(), src.ctypes.data))
+    conn.recv()  # until the parent is done reading
+
+
+def measure_cma(sizes: list[int], reps: int, bar: tqdm) -> list[Row]:
+    """The kernel's cross-process copy, `process_vm_readv` (Linux CMA), from another process's memory
+    into this one's: the copy UCX shared memory does for every rendezvous message here (UCX_PROTO_INFO
+    shows "rendezvous zero-copy read from remote, cma/memory" from 8 KiB up) — its ceiling, with no
+    checksum and no protocol."""
+    import ctypes
+
+    libc = ctypes.CDLL("libc.so.6", use_errno=True)
+
+    class IoVec(ctypes.Structure):
+        _fields_ = [("base", ctypes.c_void_p), ("len", ctypes.c_size_t)]
+
+    ctx = mp.get_context("spawn")
+    rows = []
+    for size in sizes:
+        here, there = ctx.Pipe()
+        proc = ctx.Process(target=_cma_source, args=(size, there))
+        proc.start()
+        pid, addr = here.recv()
+        dst = np.zeros(size, np.uint8)
+        local, remote = IoVec(dst.ctypes.data, size), IoVec(addr, size)
+        n = chunks_for(size)
+        speeds = []
+        for rep in range(reps + 1):  # rep 0 warms up
+            t0 = time.perf_counter()
+            for _ in range(n):
+                if libc.process_vm_readv(pid, ctypes.byref(local), 1, ctypes.byref(remote), 1, 0) != size:
+                    raise OSError(ctypes.get_errno(), "process_vm_readv failed")
+            if rep:
+                speeds.append(n * size / (time.perf_counter() - t0) / 1e9)
+                bar.update()
+        here.send(None)
+        proc.join(10)
+        rows.append(Row(CMA_METHOD, size // MIB, n, statistics.median(speeds), max(speeds), reps))
+    return rows
+
+
 def _memcpy(src: np.ndarray, dst: np.ndarray) -> None:
     np.copyto(dst, src)
 
@@ -262,14 +309,18 @@ def main() -> None:
     ap.add_argument("--reps", type=int, default=3)
     ap.add_argument("--out", type=Path, default=Path("docs/benchmarks"))
     ap.add_argument("--in-flight", type=int, default=IN_FLIGHT)
+    ap.add_argument("--transports", nargs="+", default=[c.name for c in CONFIGS],
+                    help="which transport configurations to run (default: all)")
     args = ap.parse_args()
     sizes = [s * MIB for s in args.sizes_mib]
-    total = (len(CONFIGS) + 2) * len(sizes) * args.reps
+    configs = [c for c in CONFIGS if c.name in args.transports]
+    total = (len(configs) + 3) * len(sizes) * args.reps
     rows: list[Row] = []
     with tqdm(total=total, desc="transfer bench", unit="run") as bar:
         rows += measure_local("numpy memcpy", _memcpy, sizes, args.reps, bar)
         rows += measure_local("xxh3-64 hash (one side)", _xxh3, sizes, args.reps, bar)
-        for cfg in CONFIGS:
+        rows += measure_cma(sizes, args.reps, bar)
+        for cfg in configs:
             rows += measure_transport(cfg, sizes, args.reps, args.in_flight, bar)
     machine = f"{platform.machine()}, {mp.cpu_count()} cores"
     meta = {"when": time.strftime("%Y-%m-%d %H:%M"), "machine": machine,

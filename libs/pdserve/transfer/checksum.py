@@ -39,3 +39,21 @@ async def xxh3_hex_async(data: np.ndarray) -> str:
     if data.nbytes < _THREAD_THRESHOLD_BYTES:
         return xxh3_hex(data)
     return await asyncio.to_thread(xxh3_hex, data)
+
+
+class StreamingXxh3:
+    """xxh3-64 of a payload fed piece by piece, in order: `hexdigest()` equals `xxh3_hex` of the
+    concatenated pieces, so a chunk can be hashed while its earlier pieces are already in flight."""
+
+    def __init__(self) -> None:
+        self._h = xxhash.xxh3_64()
+
+    async def update(self, piece: np.ndarray) -> None:
+        """Hash the next piece (in a worker thread above 4 MiB, like `xxh3_hex_async`)."""
+        if piece.nbytes < _THREAD_THRESHOLD_BYTES:
+            self._h.update(piece)
+        else:
+            await asyncio.to_thread(self._h.update, piece)
+
+    def hexdigest(self) -> str:
+        return self._h.hexdigest()

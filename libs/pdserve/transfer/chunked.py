@@ -1,7 +1,8 @@
 """What both transports share on top of `KVTransport`: binding to one event loop, the sending half
 (checksum, `transfer.send` span, fault injection, control header) and the `ReceiveTable`.
 
-A concrete transport only moves bytes: `_send_chunk` (a header then its payload) and `_send_control`
+A concrete transport moves and hashes bytes: `_send_chunk` (a header, its payload and the payload's
+checksum — where the hash runs relative to the copy is the transport's business) and `_send_control`
 (a header alone), and on its receiving side feeds `self._table`.
 """
 
@@ -19,7 +20,7 @@ from opentelemetry import propagate, trace
 
 from pdserve.messages import KVEndpoint
 from pdserve.transfer.base import Inbound, KVTransport
-from pdserve.transfer.checksum import byte_view, xxh3_hex_async
+from pdserve.transfer.checksum import byte_view
 from pdserve.transfer.header import ChunkHeader, FinishMarker
 from pdserve.transfer.receiver import ReceiveTable
 
@@ -70,17 +71,15 @@ class ChunkedTransport(KVTransport):
             span.set_attribute("pdserve.layer", layer)
             span.set_attribute("pdserve.chunk", chunk)
             span.set_attribute("pdserve.bytes", payload.nbytes)
-            checksum = await xxh3_hex_async(payload)
-            if self.corrupt_next > 0 and payload.nbytes:
+            corrupt = self.corrupt_next > 0 and payload.nbytes > 0
+            if corrupt:
                 self.corrupt_next -= 1
-                payload = _flip_one_byte(payload)
             carrier: dict[str, str] = {}
             propagate.inject(carrier)
             header = ChunkHeader(transfer_id=transfer_id, layer=layer, chunk=chunk, token_start=token_start,
                                  nbytes=payload.nbytes, dtype=str(data.dtype).removeprefix("torch."),
-                                 shape=tuple(data.shape), checksum=checksum,
-                                 traceparent=carrier.get("traceparent"))
-            await self._send_chunk(endpoint, header, payload)
+                                 shape=tuple(data.shape), traceparent=carrier.get("traceparent"))
+            await self._send_chunk(endpoint, header, payload, corrupt)
         return payload.nbytes
 
     def send_layer_threadsafe(self, endpoint: KVEndpoint, transfer_id: str, layer: int, chunk: int,
@@ -104,8 +103,11 @@ class ChunkedTransport(KVTransport):
             raise ValueError(f"{self.kind} transport cannot send to a {endpoint.transport} endpoint")
 
     @abstractmethod
-    async def _send_chunk(self, endpoint: KVEndpoint, header: ChunkHeader, payload: np.ndarray) -> None:
-        """Deliver `header` then its `payload` (uint8, `header.nbytes` long). Raises TransferError when the
+    async def _send_chunk(self, endpoint: KVEndpoint, header: ChunkHeader, payload: np.ndarray,
+                          corrupt: bool) -> None:
+        """Deliver `header` and its `payload` (uint8, `header.nbytes` long) with the xxh3-64 checksum of
+        `payload`; with `corrupt` (fault injection) one byte of what travels is flipped after it was
+        hashed (`flip_one_byte`). Returns once the peer holds the payload. Raises TransferError when the
         peer cannot be reached."""
 
     @abstractmethod
@@ -113,8 +115,9 @@ class ChunkedTransport(KVTransport):
         """Deliver a control message with no payload. Raises TransferError when the peer cannot be reached."""
 
 
-def _flip_one_byte(payload: np.ndarray) -> np.ndarray:
-    # Fault injection only: corrupt a private copy so the caller's KV stays intact.
+def flip_one_byte(payload: np.ndarray) -> np.ndarray:
+    """Fault injection only: a private copy of `payload` with one random byte flipped (the caller's KV
+    stays intact)."""
     bad = payload.copy()
     bad[random.randrange(bad.nbytes)] ^= 0xFF
     return bad

@@ -20,8 +20,13 @@ _LEN = struct.Struct("<I")
 
 class ChunkHeader(Message):
     """Describes the payload that follows: `nbytes` bytes of rows `token_start:token_start+shape[0]` of
-    layer `layer`'s KV `[max_tokens, 2, num_kv_heads, head_dim]`, hashed to `checksum` (xxh3-64 hex)
-    before it was sent. `payload_tag` is the UCX tag the payload travels on (0 over TCP)."""
+    layer `layer`'s KV `[max_tokens, 2, num_kv_heads, head_dim]`, hashed by the sender to `checksum`
+    (xxh3-64 hex of the whole chunk).
+
+    Over TCP the checksum travels in the header. Over UCX it is None: the payload travels as pieces of
+    `piece_bytes` (the last one shorter) on tags `payload_tag`, `payload_tag + 1`, ..., each hashed by the
+    sender just before it is sent and by the receiver as soon as it lands, and the 16 hex characters of the
+    checksum follow on tag `payload_tag + num_pieces` (see `ucxx_transport`)."""
 
     kind: Literal["chunk"] = "chunk"
     transfer_id: str
@@ -31,9 +36,15 @@ class ChunkHeader(Message):
     nbytes: int = Field(ge=0)
     dtype: str
     shape: tuple[int, ...] = Field(min_length=1)
-    checksum: str
+    checksum: str | None = None
     traceparent: str | None = None
     payload_tag: int = 0
+    piece_bytes: int = Field(default=0, ge=0)
+
+    @property
+    def num_pieces(self) -> int:
+        """Pieces the payload travels in (1 when `piece_bytes` is 0 or not smaller than `nbytes`)."""
+        return len(piece_ranges(self.nbytes, self.piece_bytes))
 
 
 class FinishMarker(Message):
@@ -73,3 +84,11 @@ def decode_control(frame: bytes | bytearray | memoryview) -> ChunkHeader | Finis
 
 
 PREFIX_BYTES = _LEN.size
+
+
+def piece_ranges(nbytes: int, piece_bytes: int) -> list[tuple[int, int]]:
+    """Byte ranges `[start, end)` cutting `nbytes` into pieces of `piece_bytes` (the last one shorter);
+    one range (possibly empty) when `piece_bytes` is 0 or covers everything."""
+    if piece_bytes <= 0 or nbytes <= piece_bytes:
+        return [(0, nbytes)]
+    return [(a, min(a + piece_bytes, nbytes)) for a in range(0, nbytes, piece_bytes)]

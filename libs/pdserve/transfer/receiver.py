@@ -74,16 +74,19 @@ class ReceiveTable:
         inbound.begin_landing()
         return Landing(view, inbound)
 
-    async def close_chunk(self, header: ChunkHeader, landing: Landing, landed_ok: bool = True) -> None:
-        """Verify a landed payload and count it. `landed_ok=False` (the payload never fully arrived) only
-        releases the landing."""
+    async def close_chunk(self, header: ChunkHeader, landing: Landing, landed_ok: bool = True,
+                          actual: str | None = None) -> None:
+        """Verify a landed payload against `header.checksum` and count it. `actual`: the xxh3-64 hex of
+        the landed bytes when the transport already hashed them as they landed (else hashed here).
+        `landed_ok=False` (the payload or its checksum never fully arrived) only releases the landing."""
         inbound = landing.inbound
         if inbound is None:
             return
         try:
-            if not landed_ok:
+            if not landed_ok or header.checksum is None:
                 return
-            actual = await xxh3_hex_async(landing.view)
+            if actual is None:
+                actual = await xxh3_hex_async(landing.view)
             ok = actual == header.checksum
             parent = propagate.extract({"traceparent": header.traceparent} if header.traceparent else {})
             with tracer.start_as_current_span("transfer.verify_checksum", context=parent) as span:

@@ -3,12 +3,15 @@
 Receiver: one UCX worker per process, published as the endpoint address (base64 of its UCX worker
 address, handed to peers out of band in the Reservation). It receives with worker-level tagged receives,
 so it needs no endpoint back to any sender: a receive loop takes every control message on `_CONTROL_TAG`;
-a `ChunkHeader` names the tag its payload travels on, and the payload is received on that tag straight
-into the expected transfer's buffer view.
+a `ChunkHeader` names the tags its payload pieces and checksum travel on, and the loop posts every piece's
+receive (straight into the expected transfer's buffer view) before it takes the next control message; a
+task per chunk then hashes each piece as it lands, while the next piece is still being copied.
 
 Sender: an endpoint per peer from `create_endpoint_from_worker_address`, cached and reused; each chunk is
-the header on `_CONTROL_TAG` and the payload on a tag unique to this sender (random 31-bit sender id,
-32-bit sequence number) sent together.
+the header on `_CONTROL_TAG`, the payload in `_PIECE_BYTES` pieces on consecutive tags unique to this
+sender (random 31-bit sender id, 32-bit sequence number), all posted at once, then the xxh3-64 of the
+whole chunk (hashed while the pieces are copied) on the next tag. UCX copies each piece with one kernel
+`process_vm_readv` by the receiver (CMA rendezvous); benchmarks/transfer.py measures that copy's ceiling.
 
 Configuration: shared memory (`UCX_TLS=sm,self`; DESIGN §9 measured bare ucxx at 5.4 / 7.0 / 7.7 GB/s at
 1 / 16 / 256 MiB, against 1.9-2.0 for UCX over TCP), `endpoint_error_handling=False`, and a UCX progress
@@ -26,16 +29,20 @@ import os
 import random
 
 import numpy as np
+from ucxx._lib.arr import Array
+from ucxx.types import Tag
 
 from pdserve.messages import KVEndpoint
 from pdserve.transfer.base import TransferError
-from pdserve.transfer.chunked import ChunkedTransport
+from pdserve.transfer.checksum import StreamingXxh3
+from pdserve.transfer.chunked import ChunkedTransport, flip_one_byte
 from pdserve.transfer.header import (
     MAX_CONTROL_BYTES,
     ChunkHeader,
     FinishMarker,
     decode_control,
     encode_control,
+    piece_ranges,
 )
 from pdserve.transfer.receiver import Landing
 
@@ -44,6 +51,13 @@ log = logging.getLogger(__name__)
 # Control messages use a tag with the top bit set; payload tags never have it, so the two cannot collide.
 _CONTROL_TAG = 0xF0D5_E27E_0000_0001
 _DEFAULT_TLS = "sm,self"
+_CHECKSUM_BYTES = 16  # the xxh3-64 hex digest, sent after a chunk's last piece
+# A chunk travels in pieces of this many bytes so that hashing (sender and receiver) overlaps the copy.
+_PIECE_BYTES = 4 << 20
+
+
+def _piece_bytes() -> int:
+    return int(os.environ.get("PDS_UCXX_PIECE_BYTES", _PIECE_BYTES))
 # "thread" (a UCX progress thread) measured 2-4x faster than "blocking" through this transport under the
 # shared load of this 2-core machine (issue 4: 0.60 / 1.3-1.6 GB/s at 1 / 16 MiB against 0.09-0.30 /
 # 0.46-0.58): blocking progress waits for the event loop to come round to the worker's fd between the
@@ -131,15 +145,45 @@ class UcxxTransport(ChunkedTransport):
 
     # -- sending
 
-    async def _send_chunk(self, endpoint: KVEndpoint, header: ChunkHeader, payload: np.ndarray) -> None:
+    async def _send_chunk(self, endpoint: KVEndpoint, header: ChunkHeader, payload: np.ndarray,
+                          corrupt: bool) -> None:
         ep = await self._endpoint_to(endpoint.address)
-        self._seq = (self._seq + 1) & 0xFFFF_FFFF
+        pieces = piece_ranges(payload.nbytes, _piece_bytes())
+        tag = self._take_tags(len(pieces) + 1)
+        header = header.model_copy(update={"payload_tag": tag, "piece_bytes": _piece_bytes()})
+        # Post the header and every piece at once, then hash the pieces in order while the receiver's
+        # progress thread copies them (both only read `payload`), and post the checksum last. Fault
+        # injection (`corrupt`) hashes first, then sends one piece as a flipped copy.
+        # A UCX request does not keep its buffer alive: `buffers` does, until every send completed.
+        digest = StreamingXxh3()
+        bad_piece = -1
+        if corrupt:
+            for a, b in pieces:
+                await digest.update(payload[a:b])
+            bad_piece = random.randrange(len(pieces))
+        buffers = [Array(bytearray(encode_control(header)))]
+        requests = [ep._ep.tag_send(buffers[0], Tag(_CONTROL_TAG))]
+        for i, (a, b) in enumerate(pieces):
+            if b > a:
+                buffers.append(Array(flip_one_byte(payload[a:b]) if i == bad_piece else payload[a:b]))
+                requests.append(ep._ep.tag_send(buffers[-1], Tag(tag + i)))
+        if not corrupt:
+            for a, b in pieces:
+                await digest.update(payload[a:b])
+        buffers.append(Array(bytearray(digest.hexdigest().encode("ascii"))))
+        requests.append(ep._ep.tag_send(buffers[-1], Tag(tag + len(pieces))))
+        await self._guard(endpoint.address, asyncio.gather(*(r.wait() for r in requests)))
+        buffers.clear()  # only now may the pieces' memory go
+
+    def _take_tags(self, n: int) -> int:
+        """`n` consecutive payload tags unique to this sender: sender id in the high 31 bits, a running
+        sequence in the low 32 (wrapping after 4 G tags, long after any transfer that used them ended)."""
         tag = (self._sender_id << 32) | self._seq
-        frame = bytearray(encode_control(header.model_copy(update={"payload_tag": tag})))
-        sends = [ep.send(frame, tag=_CONTROL_TAG, force_tag=True)]
-        if payload.nbytes:
-            sends.append(ep.send(payload, tag=tag, force_tag=True))
-        await self._guard(endpoint.address, asyncio.gather(*sends))
+        self._seq = (self._seq + n) & 0xFFFF_FFFF
+        if self._seq < n:  # the range would wrap into the sender id: start again at 0
+            self._seq = n
+            tag = self._sender_id << 32
+        return tag
 
     async def _send_control(self, endpoint: KVEndpoint, msg: FinishMarker) -> None:
         ep = await self._endpoint_to(endpoint.address)
@@ -192,14 +236,31 @@ class UcxxTransport(ChunkedTransport):
             if isinstance(msg, FinishMarker):
                 table.finish(msg)
             else:
-                # Land payloads concurrently so one large chunk does not hold up other senders' headers.
-                self._spawn(self._land(msg, table.open_chunk(msg)))
+                # Post every piece's receive now, before this loop takes the next control message, so
+                # the pieces land while the next header is decoded; then hash them as they land.
+                landing = table.open_chunk(msg)
+                pieces = piece_ranges(msg.nbytes, msg.piece_bytes)
+                worker = self._ctx.worker
+                trailer = bytearray(_CHECKSUM_BYTES)
+                # A UCX request does not keep its buffer alive: `buffers` does, until `_land` returns.
+                buffers = [Array(landing.view[a:b]) for a, b in pieces if b > a] + [Array(trailer)]
+                tags = [msg.payload_tag + i for i, (a, b) in enumerate(pieces) if b > a]
+                tags.append(msg.payload_tag + len(pieces))
+                requests = [worker.tag_recv(buf, Tag(t)) for buf, t in zip(buffers, tags, strict=True)]
+                self._spawn(self._land(msg, landing, pieces, requests, trailer, buffers))
 
-    async def _land(self, header: ChunkHeader, landing: Landing) -> None:
-        landed = False
+    async def _land(self, header: ChunkHeader, landing: Landing, pieces: list[tuple[int, int]],
+                    requests: list, trailer: bytearray, buffers: list) -> None:
+        landed, digest = False, StreamingXxh3()
         try:
-            if header.nbytes:
-                await self._ctx.recv(landing.view, header.payload_tag)
+            for (a, b), request in zip(pieces, requests, strict=False):
+                if b > a:
+                    await request.wait()
+                if landing.inbound is not None:  # scratch landings are never read, so never hashed
+                    await digest.update(landing.view[a:b])
+            await requests[-1].wait()
+            header = header.model_copy(update={"checksum": trailer.decode("ascii", "replace")})
             landed = True
         finally:
-            await self._receiving().close_chunk(header, landing, landed_ok=landed)
+            await self._receiving().close_chunk(header, landing, landed_ok=landed,
+                                                actual=digest.hexdigest() if landed else None)
