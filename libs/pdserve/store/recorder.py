@@ -38,8 +38,8 @@ from pdserve.events import Event
 from pdserve.store.batch import Batch, prepare
 from pdserve.store.projection import Row, apply, fold
 from pdserve.store.pull import BatchPuller
-from pdserve.store.rows import insert_events, request_dict, row_event, upsert_requests
-from pdserve.store.tables import events, requests
+from pdserve.store.rows import insert_events, lock_requests, row_event, upsert_requests
+from pdserve.store.tables import events
 from pdserve.telemetry.metrics import EVENTS_RECORDER_LAG_SECONDS
 
 log = logging.getLogger(__name__)
@@ -216,8 +216,7 @@ class Recorder:
             by_request[event.request_id].append((seq, event))
         if not by_request:
             return
-        q = sa.select(requests).where(requests.c.request_id.in_(list(by_request))).with_for_update()
-        current = {str(r["request_id"]): request_dict(r) for r in (await conn.execute(q)).mappings()}
+        current = await lock_requests(conn, list(by_request))
         rows: list[Row] = []
         for request_id, evs in by_request.items():
             row = current.get(request_id)
