@@ -11,11 +11,11 @@ one-token completions of a prompt of random token ids (a fresh prompt each time,
 after one warm-up. TTFT is the coordinator's `RequestCompleted.ttft.ttft_s` (gateway receive → first
 token out of the decode worker); `exposed_transfer_s` beside it is that breakdown's own field.
 
-One layer's transfer time = one layer's KV bytes / the ucxx shared-memory GB/s of
-docs/benchmarks/transfer.json at the nearest size (TTFT differences on this shared 2-core machine swing by
-hundreds of ms, too much to resolve a transfer of milliseconds). The layer-wise exposure compared with it
-is the breakdown's own `exposed_transfer_s` (PrefillCompleted → transfer verified). The issue's target:
-layer-wise exposes at most 1.5x one layer's transfer time.
+The tail compared with the target = TransferCompleted.ts - PrefillCompleted.ts (prefill compute done →
+KV verified and in the decode worker's blocks; see the Markdown for why). One layer's transfer time = one
+`send_layer` of one layer's bytes through ucxx shared memory, measured in this run with
+benchmarks/transfer.py's two-process harness. The issue's target: layer-wise exposes at most 1.5x one
+layer's transfer time.
 Writes exposed_transfer.json, .md and .png under `--out`.
 """
 
@@ -34,6 +34,7 @@ from pathlib import Path
 import httpx
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+sys.path.insert(0, str(Path(__file__).resolve().parent))  # benchmarks/transfer.py
 
 from pdserve.config import CommonSettings  # noqa: E402
 from pdserve.service_plan import ServiceSpec  # noqa: E402
@@ -71,7 +72,10 @@ def completed_event(url: str, request_id: str, timeout_s: float = 60.0) -> dict:
             done = [e for e in events if e["type"] == "RequestCompleted"]
             if done:
                 xfer = [e for e in events if e["type"] == "TransferCompleted"]
-                return {"ttft": done[0]["payload"]["ttft"], "transfer": xfer[-1]["payload"] if xfer else None}
+                prefilled = [e for e in events if e["type"] == "PrefillCompleted"]
+                tail = (xfer[-1]["ts"] - prefilled[-1]["ts"]) if xfer and prefilled else None
+                return {"ttft": done[0]["payload"]["ttft"], "transfer": xfer[-1]["payload"] if xfer else None,
+                        "tail_s": tail}
         time.sleep(0.3)
     raise TimeoutError(f"RequestCompleted of {request_id} not recorded in {timeout_s} s")
 
@@ -108,13 +112,22 @@ def run_variant(name: str, mode: str, transfer_mode: str | None, base: CommonSet
     return results
 
 
-def ucxx_gbps(nbytes: float, path: Path = Path("docs/benchmarks/transfer.json")) -> float:
-    """Median ucxx shared-memory GB/s that benchmarks/transfer.py measured at the size nearest `nbytes`."""
-    rows = [r for r in json.loads(path.read_text())["rows"] if r["method"] == "ucxx shared memory"]
-    return min(rows, key=lambda r: abs(r["size_mib"] * 2**20 - nbytes))["gbps_median"]
+def one_layer_seconds(layer_bytes: list[int], reps: int = 3) -> dict[int, float]:
+    """Seconds one `send_layer` of each size takes through ucxx shared memory between two processes, in
+    this run: benchmarks/transfer.py's measurement (checksummed, awaited one by one), median of `reps`."""
+    import transfer  # benchmarks/transfer.py
+    from tqdm import tqdm
+
+    cfg = next(c for c in transfer.CONFIGS if c.name == "ucxx shared memory")
+    sizes = sorted({-(-b // transfer.ROW_BYTES) * transfer.ROW_BYTES for b in layer_bytes})
+    with tqdm(total=len(sizes) * reps, desc="one layer's transfer") as bar:
+        rows = transfer.measure_transport(cfg, sizes, reps, 1, bar)  # one row per size, in order
+    by_size = {size: r.gbps_median for size, r in zip(sizes, rows, strict=True)}
+    return {b: b / (by_size[-(-b // transfer.ROW_BYTES) * transfer.ROW_BYTES] * 1e9) for b in layer_bytes}
 
 
-def summarise(raw: dict[str, dict[int, list[dict]]], lengths: list[int], num_layers: int) -> list[dict]:
+def summarise(raw: dict[str, dict[int, list[dict]]], lengths: list[int], num_layers: int,
+              layer_s: dict[int, float] | None = None) -> list[dict]:
     rows = []
     med = statistics.median
     for n in lengths:
@@ -125,11 +138,12 @@ def summarise(raw: dict[str, dict[int, list[dict]]], lengths: list[int], num_lay
             row[f"ttft_{v}_s"] = med(x["ttft"]["ttft_s"] for x in pts)
             row[f"exposed_{v}_s"] = row[f"ttft_{v}_s"] - colo
             row[f"breakdown_exposed_{v}_s"] = med(x["ttft"]["exposed_transfer_s"] for x in pts)
+            row[f"tail_{v}_s"] = med(x["tail_s"] for x in pts)
             row["kv_bytes"] = int(med(x["transfer"]["kv_bytes"] for x in pts if x["transfer"]))
-        layer_bytes = row["kv_bytes"] / num_layers
-        row["one_layer_transfer_s"] = layer_bytes / (ucxx_gbps(layer_bytes) * 1e9)
-        row["layerwise_over_one_layer"] = (row["breakdown_exposed_layer-wise_s"] / row["one_layer_transfer_s"]
-                                           if row["one_layer_transfer_s"] > 0 else float("inf"))
+        layer_bytes = row["kv_bytes"] // num_layers
+        row["layer_bytes"] = layer_bytes
+        row["one_layer_transfer_s"] = (layer_s or {}).get(layer_bytes, float("nan"))
+        row["layerwise_over_one_layer"] = row["tail_layer-wise_s"] / row["one_layer_transfer_s"]
         rows.append(row)
     return rows
 
@@ -141,27 +155,42 @@ def write_reports(rows: list[dict], raw: dict, meta: dict, out: Path) -> None:
     lines = [
         "# Exposed KV transfer: layer-wise vs naive",
         "",
-        f"Generated by `python benchmarks/exposed_transfer.py` on {meta['when']} ({meta['machine']}), model "
-        f"{meta['model']} ({meta['num_layers']} layers), transport {meta['transport']}, median of "
-        f"{meta['requests']} one-token requests per point (fresh random prompts, no prefix hit).",
-        "Exposed = TTFT(disaggregated) - TTFT(colocated), both medians; 'breakdown' = the TTFT breakdown's "
-        "own `exposed_transfer_s` (PrefillCompleted → transfer verified; a naive prefill worker reports "
-        "PrefillCompleted only after its sends, so there it hides the transfer). One layer's transfer = "
-        "one layer's KV bytes / ucxx shared-memory GB/s from transfer.json. Target: layer-wise breakdown "
-        "exposure ≤ 1.5× one layer's transfer.",
+        f"Generated by `python benchmarks/exposed_transfer.py --requests {meta['requests']}` on "
+        f"{meta['when']} ({meta['machine']}), model {meta['model']} ({meta['num_layers']} layers), transport "
+        f"{meta['transport']}, median of {meta['requests']} one-token requests per point (fresh random "
+        "prompts, no prefix hit).",
         "",
-        "| prompt tokens | KV MiB | TTFT colocated ms | TTFT layer-wise ms | TTFT naive ms "
-        "| exposed layer-wise ms "
-        "(breakdown) | exposed naive ms (breakdown) | one layer ms | layer-wise / one layer |",
-        "|---|---|---|---|---|---|---|---|---|",
+        "- **Tail** (the figure the target is about) = `TransferCompleted.ts − PrefillCompleted.ts` of one "
+        "request: from the prefill worker's compute being done (its last layer computed, first token known; "
+        "the event is emitted then, before it waits for its sends) to the decode worker holding every "
+        "chunk verified (xxh3) *and scattered into its reserved blocks* (the event is emitted then, before "
+        "any StartDecode arrives). Both stamps are wall clocks of processes on this one host. In naive "
+        "mode the whole transfer starts after the compute, so its tail is the full transfer.",
+        "- **One layer** = one `send_layer` of one layer's KV bytes (one prefill chunk per prompt here), "
+        "awaited, through ucxx shared memory between two processes, checksummed on both sides — "
+        "benchmarks/transfer.py's measurement, median of 3 rounds, *in this run*. Target: layer-wise tail "
+        "≤ 1.5 × one layer.",
+        "- **TTFT diff** = TTFT(disaggregated) − TTFT(colocated) (coordinator's `RequestCompleted.ttft`), "
+        "both medians, as the issue defines exposure. On this shared 2-core machine TTFT swings by tens to "
+        "hundreds of ms between requests (prefill compute competes with every other process), so this "
+        "column is noise-dominated; it is reported, not used for the target.",
+        "- **breakdown** = the coordinator's own `ttft.exposed_transfer_s` (PrefillResult received → "
+        "DecodeAdmitted.transfer_done_ts, clamped at 0): the prefill worker answers only after its sends "
+        "are delivered, so this hides most of the tail inside `prefill_s`; shown for comparison.",
+        "",
+        "| prompt tokens | KV MiB | one layer ms | tail layer-wise ms | tail naive ms "
+        "| layer-wise tail / one layer | TTFT colocated ms | TTFT diff layer-wise ms | TTFT diff naive ms "
+        "| breakdown layer-wise ms | breakdown naive ms |",
+        "|---|---|---|---|---|---|---|---|---|---|---|",
     ]
+    ms1 = lambda s: f"{s * 1e3:.1f}"  # noqa: E731
     for r in rows:
         lines.append(
-            f"| {r['prompt_tokens']} | {r['kv_bytes'] / 2**20:.1f} | {ms(r['ttft_colocated_s'])} | "
-            f"{ms(r['ttft_layer-wise_s'])} | {ms(r['ttft_naive_s'])} | {ms(r['exposed_layer-wise_s'])} "
-            f"({ms(r['breakdown_exposed_layer-wise_s'])}) | {ms(r['exposed_naive_s'])} "
-            f"({ms(r['breakdown_exposed_naive_s'])}) | {r['one_layer_transfer_s'] * 1e3:.2f} | "
-            f"{r['layerwise_over_one_layer']:.1f} |")
+            f"| {r['prompt_tokens']} | {r['kv_bytes'] / 2**20:.1f} | {r['one_layer_transfer_s'] * 1e3:.2f} | "
+            f"{ms1(r['tail_layer-wise_s'])} | {ms1(r['tail_naive_s'])} | "
+            f"{r['layerwise_over_one_layer']:.1f} | {ms(r['ttft_colocated_s'])} | "
+            f"{ms(r['exposed_layer-wise_s'])} | {ms(r['exposed_naive_s'])} | "
+            f"{ms1(r['breakdown_exposed_layer-wise_s'])} | {ms1(r['breakdown_exposed_naive_s'])} |")
     (out / "exposed_transfer.md").write_text("\n".join(lines) + "\n")
 
     import matplotlib
@@ -171,10 +200,10 @@ def write_reports(rows: list[dict], raw: dict, meta: dict, out: Path) -> None:
 
     fig, ax = plt.subplots(figsize=(8, 4.5))
     xs = [r["prompt_tokens"] for r in rows]
-    for key, label in (("exposed_layer-wise_s", "layer-wise (TTFT diff)"),
-                       ("exposed_naive_s", "naive (TTFT diff)"),
-                       ("breakdown_exposed_layer-wise_s", "layer-wise (breakdown)"),
-                       ("breakdown_exposed_naive_s", "naive (breakdown)")):
+    for key, label in (("tail_layer-wise_s", "layer-wise tail"),
+                       ("tail_naive_s", "naive tail"),
+                       ("exposed_layer-wise_s", "layer-wise (TTFT diff)"),
+                       ("exposed_naive_s", "naive (TTFT diff)")):
         ax.plot(xs, [r[key] * 1e3 for r in rows], marker="o", label=label)
     ax.plot(xs, [1.5 * r["one_layer_transfer_s"] * 1e3 for r in rows], "k--", label="1.5 × one layer")
     ax.set_xscale("log", base=2)
@@ -199,7 +228,8 @@ def main() -> None:
         saved = json.loads(args.from_json.read_text())
         raw_saved = {k: {int(n): v for n, v in d.items()} for k, d in saved["raw"].items()}
         lengths = sorted(raw_saved["colocated"])
-        rows = summarise(raw_saved, lengths, saved["meta"]["num_layers"])
+        layer_s = {int(k): v for k, v in saved["meta"].get("one_layer_s", {}).items()}
+        rows = summarise(raw_saved, lengths, saved["meta"]["num_layers"], layer_s)
         write_reports(rows, saved["raw"], saved["meta"], args.out)
         print((args.out / "exposed_transfer.md").read_text())
         return
@@ -219,7 +249,10 @@ def main() -> None:
             "machine": f"{platform.machine()}, {os.cpu_count()} cores",
             "model": args.model, "num_layers": num_layers, "requests": args.requests,
             "transport": os.environ.get("PDS_KV_TRANSPORT", "ucxx")}
-    rows = summarise(raw, args.lengths, num_layers)
+    layer_bytes = [int(statistics.median(x["transfer"]["kv_bytes"] for x in raw["layer-wise"][n]
+                                         if x["transfer"])) // num_layers for n in args.lengths]
+    meta["one_layer_s"] = {str(b): t for b, t in one_layer_seconds(layer_bytes).items()}
+    rows = summarise(raw, args.lengths, num_layers, {int(k): v for k, v in meta["one_layer_s"].items()})
     write_reports(rows, {k: {str(n): v for n, v in d.items()} for k, d in raw.items()}, meta, args.out)
     print((args.out / "exposed_transfer.md").read_text())
 

@@ -78,6 +78,10 @@ class Inbound:
                  on_retire: Callable[[Inbound], None]) -> None:
         self.transfer_id = transfer_id
         self.buffers = buffers
+        # Called on the transport's loop, once per chunk, as soon as its rows [token_start, token_start +
+        # n_tokens) of layer `layer` are verified: (layer, token_start, n_tokens). Lets a receiver use a
+        # layer's KV (e.g. scatter it into blocks) while later layers are still on their way.
+        self.on_chunk_verified: Callable[[int, int, int], None] | None = None
         self.state = InboundState.RECEIVING
         self.chunks_done: set[tuple[int, int]] = set()
         self.kv_bytes = 0
@@ -130,12 +134,15 @@ class Inbound:
         if self.in_flight == 0:
             self._idle.set()
 
-    def record_verified(self, layer: int, chunk: int, nbytes: int) -> None:
+    def record_verified(self, layer: int, chunk: int, nbytes: int, token_start: int = 0,
+                        n_tokens: int = 0) -> None:
         if self.state is not InboundState.RECEIVING:
             return
         if (layer, chunk) not in self.chunks_done:
             self.chunks_done.add((layer, chunk))
             self.kv_bytes += nbytes
+            if self.on_chunk_verified is not None:
+                self.on_chunk_verified(layer, token_start, n_tokens)
         self._maybe_complete()
 
     def record_finish(self, num_layers: int, num_chunks: int) -> None:

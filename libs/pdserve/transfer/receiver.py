@@ -98,7 +98,8 @@ class ReceiveTable:
                 if not ok:
                     span.set_status(trace.StatusCode.ERROR, "checksum mismatch")
             if ok:
-                inbound.record_verified(header.layer, header.chunk, header.nbytes)
+                inbound.record_verified(header.layer, header.chunk, header.nbytes, header.token_start,
+                                        header.shape[0])
             else:
                 inbound.fail(ChecksumMismatchError(header.transfer_id, header.layer, header.chunk,
                                                    header.checksum, actual))

@@ -5,28 +5,22 @@ from __future__ import annotations
 import time
 from dataclasses import dataclass, field
 
-import torch
-
 from pdserve.engine.sequence import Sequence
-from pdserve.transfer.base import Inbound
+from pdserve.workers.kv_transfer import InboundKV
 
 
 @dataclass
 class Slot:
-    """One reservation: the engine sequence holding its blocks, and the transfer expected into them.
-
-    `staging[l]`: [num_prompt_tokens - seq.num_cached_tokens, 2, num_kv_heads, head_dim] fp32, where layer
-    l's transferred rows land (row 0 = the first token the decode does not already hold); scattered into
-    the blocks only after the whole transfer is verified. Empty for a local prefill. `lease_deadline`:
-    `time.monotonic()` seconds after which an unstarted slot is freed.
+    """One reservation: the engine sequence holding its blocks, and the transfer expected into them
+    (`kv`, None for a local prefill). `lease_deadline`: `time.monotonic()` seconds after which an unstarted
+    slot is freed.
     """
 
     request_id: str
     transfer_id: str
     seq: Sequence
     lease_deadline: float
-    inbound: Inbound | None = None
-    staging: list[torch.Tensor] = field(default_factory=list)
+    kv: InboundKV | None = None
     started: bool = False
     reserved_ts: float = field(default_factory=time.time)
 
@@ -47,11 +41,11 @@ class SlotTable:
         return self._slots.get(request_id)
 
     def pop(self, request_id: str) -> Slot | None:
-        """Forget the request's slot, cancelling its inbound transfer; idempotent. The caller frees the
-        sequence's blocks."""
+        """Forget the request's slot, cancelling its inbound transfer; idempotent. The caller awaits
+        `slot.kv.drained()`, then frees the sequence's blocks."""
         slot = self._slots.pop(request_id, None)
-        if slot is not None and slot.inbound is not None:
-            slot.inbound.cancel()
+        if slot is not None and slot.kv is not None:
+            slot.kv.cancel()
         return slot
 
     def expired(self, now: float) -> list[str]:

@@ -6,9 +6,11 @@ Commands it serves (see `pdserve.messages`):
 - prefill (prefill, or decode/unified for a local prefill): run the prompt through the engine (chunked,
   batched with whatever else runs) and, from a prefill worker, stream each layer's KV rows that the decode
   worker lacks as soon as that layer is computed (`kv_transfer_mode='layerwise'`) or all of them once the
-  prefill is done (`'naive'`, the baseline); return the first token.
-- start (decode/unified): wait for the transfer to be verified, scatter it into the reserved blocks, admit
-  the sequence into the engine's continuous batch, stream tokens.
+  prefill is done (`'naive'`, the baseline); `PrefillCompleted` when the compute is done, the first token
+  returned once every send is delivered.
+- start (decode/unified): wait until the transfer is verified and in the reserved blocks (scattered chunk
+  by chunk as it arrives, see `kv_transfer`), admit the sequence into the engine's continuous batch,
+  stream tokens.
 - release (all): free everything the request holds here; idempotent.
 
 The engine runs in a worker thread (one torch thread per worker), one step at a time under `compute`;
@@ -21,10 +23,9 @@ from __future__ import annotations
 import asyncio
 import logging
 import time
-from concurrent.futures import Future
+from concurrent.futures import ThreadPoolExecutor
 
-import torch
-from opentelemetry import propagate, trace
+from opentelemetry import trace
 
 from pdserve.bus import Bus, RejectedError
 from pdserve.config import WorkerSettings
@@ -39,7 +40,6 @@ from pdserve.events import (
     PrefillStarted,
     TransferCompleted,
 )
-from pdserve.kernels.kv_pack import token_slots, unpack_kv
 from pdserve.messages import (
     Ack,
     CompatibilityDescriptor,
@@ -55,9 +55,10 @@ from pdserve.messages import (
     Role,
     StartDecode,
 )
-from pdserve.transfer.base import ChecksumMismatchError, KVTransport, TransferTimeout
+from pdserve.transfer.base import ChecksumMismatchError, KVTransport, TransferStats, TransferTimeout
 from pdserve.workers.engine_loop import EngineLoop
 from pdserve.workers.kv_events import KVEventPublisher
+from pdserve.workers.kv_transfer import InboundKV, OutboundKV
 from pdserve.workers.slots import Slot, SlotTable
 
 log = logging.getLogger(__name__)
@@ -97,6 +98,8 @@ class Worker:
             )
         self.transport = transport
         self.transfers_sent = 0  # KV transfers this worker began sending (drives kv_corrupt_every_n)
+        # Received KV is scattered into the blocks here, one chunk at a time, off the event loop.
+        self.scatter_pool = ThreadPoolExecutor(max_workers=1, thread_name_prefix=f"{self.worker_id}-scatter")
         self.slots = SlotTable()
         self.prefilling: dict[str, Sequence] = {}  # prefill role: sequences computing for a decode worker
         self.compute = asyncio.Lock()  # one engine call at a time on this worker's core
@@ -139,13 +142,8 @@ class Worker:
                 raise RejectedError(RejectCode.CAPACITY, str(e)) from e
         slot = Slot(req.request_id, req.transfer_id, seq, lease_deadline=time.monotonic() + req.lease_s)
         if self.transport is not None:
-            cfg = self.loaded.config
-            rows = len(seq) - seq.num_cached_tokens
-            slot.staging = [
-                torch.empty(rows, 2, cfg.num_kv_heads, cfg.head_dim) for _ in range(cfg.num_layers)
-            ]
             try:
-                slot.inbound = self.transport.expect(req.transfer_id, slot.staging)
+                slot.kv = self._expect(req, seq)
             except ValueError as e:
                 await self._free(seq)
                 raise RejectedError(RejectCode.DUPLICATE, str(e)) from e
@@ -162,16 +160,46 @@ class Worker:
             num_cached_tokens=seq.num_cached_tokens,
         )
 
+    def _expect(self, req: ReserveRequest, seq: Sequence) -> InboundKV:
+        """Expect `req`'s transfer into `seq`'s reserved blocks. Raises ValueError for a transfer id the
+        transport has already seen."""
+        cfg = self.loaded.config
+
+        async def completed(stats: TransferStats) -> None:
+            await self.bus.emit(
+                req.request_id,
+                TransferCompleted(
+                    transfer_id=req.transfer_id,
+                    transport=self.transport.kind,
+                    kv_bytes=stats.kv_bytes,
+                    num_layers=stats.num_layers,
+                    transfer_s=stats.seconds,
+                    checksum_ok=True,
+                ),
+                self.worker_id,
+            )
+
+        return InboundKV(self.transport, req.transfer_id, seq, self.engine.runner.kv_cache,
+                         self.settings.block_size, cfg.num_kv_heads, cfg.head_dim, self.settings.lease_s,
+                         self.scatter_pool, completed)
+
     async def release(self, req: Release) -> Ack:
         if req.finish_reason is not None:
             await self.loop.finish_now(req.request_id, req.finish_reason)
         self.loop.stop(req.request_id)
         self.loop.fail_prefill(req.request_id, req.reason)
         slot = self.slots.pop(req.request_id)
-        seq = slot.seq if slot is not None else self.prefilling.pop(req.request_id, None)
-        if seq is not None:
+        if slot is not None:
+            await self._free_slot(slot)
+        elif (seq := self.prefilling.pop(req.request_id, None)) is not None:
             await self._free(seq)
         return Ack()
+
+    async def _free_slot(self, slot: Slot) -> None:
+        """Free a popped slot's blocks once nothing writes into them any more."""
+        if slot.kv is not None:
+            await slot.kv.drained()
+        await self._free(slot.seq)
 
     async def _free(self, seq: Sequence) -> None:
         async with self.compute:
@@ -186,7 +214,7 @@ class Worker:
             raise RejectedError(
                 RejectCode.INVALID, f"{self.worker_id} cannot prefill for {req.decode_worker_id}"
             )
-        sends: list[Future[int]] = []
+        outbound: OutboundKV | None = None
         if local:
             slot = self.slots.get(req.request_id)
             if slot is None or slot.seq.status is not SequenceStatus.RESERVED:
@@ -204,10 +232,8 @@ class Worker:
             seq.stop_after_prefill = seq.free_after_prefill = True
             seq.num_sent_tokens = req.decode_num_cached_tokens
             self._inject_faults()
-            held: list[tuple[int, int, int, torch.Tensor]] | None = (
-                [] if self.settings.kv_transfer_mode == "naive" else None
-            )
-            seq.kv_sink = self._layer_sender(req, sends, held)
+            outbound = OutboundKV(self.transport, req, naive=self.settings.kv_transfer_mode == "naive")
+            seq.kv_sink = outbound.on_layer
             first = self.loop.expect_prefill(req.request_id)
             async with self.compute:
                 try:
@@ -231,30 +257,28 @@ class Worker:
             span.set_attribute("pdserve.num_prompt_tokens", num_prompt)
             span.set_attribute("pdserve.local", local)
             first_token, first_logprobs = await first
-            span.set_attribute("pdserve.num_cached_tokens", seq.num_cached_tokens)
-            kv_bytes = sum(await asyncio.gather(*map(asyncio.wrap_future, sends)))
-            if not local and held:
-                kv_bytes += await self._send_held(req, held)
-            if not local:
+            # The compute is done: from here on, what the decode worker waits for is the transfer's tail
+            # (benchmarks/exposed_transfer.py measures it from this event to TransferCompleted).
+            prefill_s = time.perf_counter() - t0
+            cached = seq.num_cached_tokens
+            kv_bytes = outbound.kv_bytes if outbound is not None else 0
+            await self.bus.emit(
+                req.request_id,
+                PrefillCompleted(
+                    prefill_worker_id=self.worker_id,
+                    transfer_id=req.transfer_id,
+                    first_token_id=first_token,
+                    num_cached_tokens=cached,
+                    num_computed_tokens=num_prompt - cached,
+                    kv_bytes=kv_bytes,
+                    prefill_s=prefill_s,
+                ),
+                self.worker_id,
+            )
+            span.set_attribute("pdserve.num_cached_tokens", cached)
+            if outbound is not None:
                 self.prefilling.pop(req.request_id, None)
-                await self.transport.finish(
-                    req.endpoint, req.transfer_id, self.loaded.config.num_layers, seq.num_chunks_sent
-                )
-        prefill_s = time.perf_counter() - t0
-        cached = seq.num_cached_tokens
-        await self.bus.emit(
-            req.request_id,
-            PrefillCompleted(
-                prefill_worker_id=self.worker_id,
-                transfer_id=req.transfer_id,
-                first_token_id=first_token,
-                num_cached_tokens=cached,
-                num_computed_tokens=num_prompt - cached,
-                kv_bytes=kv_bytes,
-                prefill_s=prefill_s,
-            ),
-            self.worker_id,
-        )
+                kv_bytes = await outbound.complete(self.loaded.config.num_layers, seq.num_chunks_sent)
         return PrefillResult(
             request_id=req.request_id,
             transfer_id=req.transfer_id,
@@ -274,42 +298,6 @@ class Worker:
         if n > 0 and self.transport is not None and (self.transfers_sent - 1) % n == 0:
             self.transport.corrupt_next += 1
 
-    async def _send_held(self, req: PrefillRequest, held: list[tuple[int, int, int, torch.Tensor]]) -> int:
-        """Naive mode: send every (layer, chunk, row, rows) the prefill produced, all at once, after it
-        finished. Returns the payload bytes sent."""
-        carrier: dict[str, str] = {}
-        propagate.inject(carrier)
-        sent = await asyncio.gather(*(
-            self.transport.send_layer(req.endpoint, req.transfer_id, layer, chunk, row, rows,
-                                      carrier.get("traceparent"))
-            for layer, chunk, row, rows in held
-        ))
-        held.clear()
-        return sum(sent)
-
-    def _layer_sender(self, req: PrefillRequest, sends: list[Future[int]],
-                      held: list[tuple[int, int, int, torch.Tensor]] | None = None):
-        """A KV sink (called in the engine's thread) that streams layer l's new rows while l+1 computes,
-        or, given `held` (naive mode), keeps them there for `_send_held`. Row p of the prompt lands at row
-        p - decode_num_cached_tokens of the decode worker's staging."""
-        loop = asyncio.get_running_loop()
-        carrier: dict[str, str] = {}
-        propagate.inject(carrier)
-        skip = req.decode_num_cached_tokens
-        chunk_of: dict[int, int] = {}  # first position of a step's rows → chunk number, same for every layer
-
-        def on_layer(layer: int, start: int, rows: torch.Tensor) -> None:
-            chunk = chunk_of.setdefault(start, len(chunk_of))
-            if held is not None:
-                held.append((layer, chunk, start - skip, rows))  # pack_kv made `rows` a copy: safe to keep
-                return
-            coro = self.transport.send_layer(
-                req.endpoint, req.transfer_id, layer, chunk, start - skip, rows, carrier.get("traceparent")
-            )
-            sends.append(asyncio.run_coroutine_threadsafe(coro, loop))
-
-        return on_layer
-
     # ------------------------------------------------------------ start decode
 
     async def start(self, req: StartDecode) -> DecodeAdmitted:
@@ -326,10 +314,10 @@ class Worker:
         if seq.status is SequenceStatus.RESERVED:
             seq.token_ids = list(req.prompt_token_ids)  # the reserved ids may have been a placeholder
         slot.started = True
-        kv_bytes, transfer_s = 0, 0.0
-        if slot.inbound is not None:
+        kv_bytes, transfer_s, transfer_done_ts = 0, 0.0, time.time()
+        if slot.kv is not None:
             try:
-                stats = await slot.inbound.wait(self.settings.lease_s)
+                stats = await slot.kv.ready()
             except ChecksumMismatchError as e:
                 await self.bus.emit(
                     req.request_id,
@@ -345,28 +333,14 @@ class Worker:
             except TransferTimeout as e:
                 await self._drop(req.request_id)
                 raise RejectedError(RejectCode.TRANSFER_FAILED, f"transfer timed out: {e}") from e
-            kv_bytes, transfer_s = stats.kv_bytes, stats.seconds
-            async with self.compute:  # verified: now, and only now, the KV enters the blocks
-                await asyncio.to_thread(self._scatter, slot)
+            kv_bytes, transfer_s, transfer_done_ts = stats.kv_bytes, stats.seconds, slot.kv.ready_ts
+            async with self.compute:  # verified and scattered: now, and only now, the blocks count
                 self.engine.mark_computed(seq, len(seq))
             await self.kv_events.flush()
-            await self.bus.emit(
-                req.request_id,
-                TransferCompleted(
-                    transfer_id=req.transfer_id,
-                    transport=self.transport.kind,
-                    kv_bytes=stats.kv_bytes,
-                    num_layers=stats.num_layers,
-                    transfer_s=stats.seconds,
-                    checksum_ok=True,
-                ),
-                self.worker_id,
-            )
         elif seq.status is not SequenceStatus.PARKED:
             raise RejectedError(RejectCode.NOT_FOUND, f"{req.request_id} was not prefilled here")
-        transfer_done_ts = time.time()
         seq.output_start_index = req.output_start_index
-        if slot.inbound is not None:
+        if slot.kv is not None:
             seq.set_sampling(req.sampling)
         with tracer.start_as_current_span("decode.admit") as span:
             span.set_attribute("pdserve.request_id", req.request_id)
@@ -385,17 +359,10 @@ class Worker:
             first_token_ts=first_token_ts,
         )
 
-    def _scatter(self, slot: Slot) -> None:
-        seq, bs = slot.seq, self.settings.block_size
-        slots = token_slots(seq.block_table, seq.num_cached_tokens, len(seq), bs)
-        for layer, rows in enumerate(slot.staging):
-            unpack_kv(self.engine.runner.kv_cache[layer], slots, rows)
-        slot.staging = []
-
     async def _drop(self, request_id: str) -> None:
         slot = self.slots.pop(request_id)
         if slot is not None:
-            await self._free(slot.seq)
+            await self._free_slot(slot)
 
     # ------------------------------------------------------------ heartbeats and leases
 
