@@ -186,3 +186,18 @@ async def test_each_chunk_is_verified_in_a_span_parented_on_the_senders_trace(
     assert sorted(s.attributes["pdserve.layer"] for s in verify) == [0, 1]
     assert all(s.attributes["pdserve.checksum_ok"] for s in verify)
     assert {format(s.context.trace_id, "032x") for s in verify} == {trace_id}
+
+
+async def test_a_chunk_of_several_pieces_lands_whole_and_a_flipped_piece_is_caught(pair: Pair) -> None:
+    # 70,000 rows x 128 B = 8.5 MiB: three 4 MiB ucxx pieces, each hashed while the next one is copied.
+    tokens = 70_000
+    good, bad = new_id(), new_id()
+    dst_good, dst_bad = buffers(1, tokens), buffers(1, tokens)
+    in_good, in_bad = pair.receiver.expect(good, dst_good), pair.receiver.expect(bad, dst_bad)
+    await pair.send(SendPlan(pair.endpoint, good, 1, 1, tokens, seed=3),
+                    SendPlan(pair.endpoint, bad, 1, 1, tokens, seed=4, corrupt=frozenset({(0, 0)})))
+    stats = await in_good.wait(30)
+    assert stats.kv_bytes == tokens * 2 * HEADS * HEAD_DIM * 4
+    assert torch.equal(dst_good[0], layer_kv(3, 0, tokens))
+    with pytest.raises(ChecksumMismatchError):
+        await in_bad.wait(30)

@@ -9,13 +9,14 @@ import pytest
 import torch
 import xxhash
 
-from pdserve.transfer.checksum import byte_view, xxh3_hex, xxh3_hex_async
+from pdserve.transfer.checksum import StreamingXxh3, byte_view, xxh3_hex, xxh3_hex_async
 from pdserve.transfer.header import (
     MAX_CONTROL_BYTES,
     ChunkHeader,
     FinishMarker,
     decode_control,
     encode_control,
+    piece_ranges,
 )
 
 
@@ -80,3 +81,25 @@ def test_oversized_control_message_is_refused_before_sending() -> None:
 def test_garbled_length_prefix_is_rejected() -> None:
     with pytest.raises(ValueError):
         decode_control(b"\xff\xff\xff\xff{}")
+
+
+def test_pieces_cover_the_payload_exactly_once_in_order() -> None:
+    assert piece_ranges(10, 4) == [(0, 4), (4, 8), (8, 10)]
+    assert piece_ranges(8, 4) == [(0, 4), (4, 8)]
+    assert piece_ranges(3, 4) == [(0, 3)]
+    assert piece_ranges(0, 4) == [(0, 0)]
+    assert piece_ranges(10, 0) == [(0, 10)]
+
+
+def test_a_chunk_hashed_piece_by_piece_has_the_one_shot_checksum() -> None:
+    # The per-(layer, chunk) checksum must not depend on how ucxx cut the chunk into pieces.
+    data = np.random.default_rng(1).integers(0, 256, (9 << 20) + 123, dtype=np.uint8)
+
+    async def streamed(piece_bytes: int) -> str:
+        digest = StreamingXxh3()
+        for a, b in piece_ranges(data.nbytes, piece_bytes):
+            await digest.update(data[a:b])
+        return digest.hexdigest()
+
+    for piece_bytes in (0, 1 << 20, 4 << 20, 5 << 20):
+        assert asyncio.run(streamed(piece_bytes)) == xxh3_hex(data)

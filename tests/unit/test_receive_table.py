@@ -80,3 +80,30 @@ async def test_buffers_must_be_contiguous_and_of_one_dtype() -> None:
         table.expect("a", [torch.zeros(4, 2, 1, 4), torch.zeros(4, 2, 1, 4, dtype=torch.float16)])
     with pytest.raises(ValueError):
         table.expect("b", [torch.zeros(2, 4, 1, 4).transpose(0, 1)])
+
+
+async def test_each_verified_chunk_is_announced_once_with_its_rows_and_a_bad_one_never() -> None:
+    table = ReceiveTable(asyncio.get_running_loop())
+    inbound = table.expect("t", [torch.zeros(10, 2, 1, 4) for _ in range(2)])
+    seen: list[tuple[int, int, int]] = []
+    inbound.on_chunk_verified = lambda layer, start, n: seen.append((layer, start, n))
+    src = torch.randn(10, 2, 1, 4)
+    assert await land(table, header_for("t", 0, 0, 0, src[:6]), src[:6])
+    assert await land(table, header_for("t", 0, 0, 0, src[:6]), src[:6])  # a duplicate is not re-announced
+    assert await land(table, header_for("t", 1, 1, 6, src[6:]), src[6:])
+    assert seen == [(0, 0, 6), (1, 6, 4)]
+    assert await land(table, header_for("t", 0, 1, 6, src[6:], checksum="0" * 16), src[6:])
+    assert seen == [(0, 0, 6), (1, 6, 4)]
+
+
+async def test_a_digest_computed_while_landing_is_trusted_as_given() -> None:
+    # ucxx hashes pieces as they land and hands close_chunk the digest: a wrong one must fail the chunk.
+    table = ReceiveTable(asyncio.get_running_loop())
+    inbound = table.expect("t", [torch.zeros(4, 2, 1, 4)])
+    src = torch.randn(4, 2, 1, 4)
+    header = header_for("t", 0, 0, 0, src)
+    landing = table.open_chunk(header)
+    landing.view[:] = byte_view(src)
+    await table.close_chunk(header, landing, actual="f" * 16)
+    with pytest.raises(ChecksumMismatchError):
+        await inbound.wait(1)
