@@ -221,6 +221,10 @@ class Worker:
                 raise RejectedError(
                     RejectCode.NOT_FOUND, f"no reservation awaiting prefill for {req.request_id}"
                 )
+            if slot.kv is not None:  # prefilled here: no KV will arrive for this reservation
+                slot.kv.cancel()
+                await slot.kv.drained()
+                slot.kv = None
             seq = slot.seq
             seq.token_ids = list(req.prompt_token_ids)  # the reserved ids may have been a placeholder
             seq.set_sampling(req.sampling)
