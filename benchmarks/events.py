@@ -191,11 +191,13 @@ async def part_throughput(n_events: int, tmp: Path) -> dict:
         await publish(bus, events)
         publish_s = time.perf_counter() - t0
         samples: list[tuple[float, int]] = []  # (seconds since SIGCONT, events recorded)
+        cpu0 = _drain_cpu_s(rec.pid)
         rec.send_signal(signal.SIGCONT)
         t0 = time.perf_counter()
         while not samples or samples[-1][1] < n_events:
             samples.append((time.perf_counter() - t0, await top_seq(engine) - base))
             await asyncio.sleep(0.02)
+        cpu_us = {k: (v - cpu0.get(k, 0.0)) / n_events * 1e6 for k, v in _drain_cpu_s(rec.pid).items()}
         assert await count_events(engine) == n_events + len(warm)
         assert await caught_up(bus)
         bare = await _bare_drain(bus, part.settings.events_stream, n_events + len(warm))
@@ -209,7 +211,24 @@ async def part_throughput(n_events: int, tmp: Path) -> dict:
     return {"events": n_events, "publish_events_per_s": n_events / publish_s,
             "record_s_from_resume": samples[-1][0],
             "record_events_per_s_from_resume": n_events / samples[-1][0],
-            "record_events_per_s_10_to_90": (n90 - n10) / (t90 - t10), "bare_consume_events_per_s": bare}
+            "record_events_per_s_10_to_90": (n90 - n10) / (t90 - t10), "bare_consume_events_per_s": bare,
+            "drain_cpu_us_per_event": cpu_us, "loadavg_1m": os.getloadavg()[0]}
+
+
+def _drain_cpu_s(recorder_pid: int) -> dict[str, float]:
+    """CPU seconds (user + system) so far of the recorder process, of all Postgres processes and of all
+    nats-server processes on this machine (those serve only this benchmark's drain while it runs, give or
+    take the other sessions sharing the machine)."""
+    out = {"recorder": 0.0, "postgres": 0.0, "nats-server": 0.0}
+    for proc in psutil.process_iter(["name"]):
+        name = "recorder" if proc.pid == recorder_pid else proc.info["name"]
+        if name in out:
+            try:
+                t = proc.cpu_times()
+            except psutil.Error:
+                continue
+            out[name] += t.user + t.system
+    return out
 
 
 def throughput_repeated(n_events: int, repeats: int, tmp: Path) -> dict:
