@@ -7,6 +7,7 @@ loop fails the process must exit non-zero so the supervisor restarts it; unacked
 from __future__ import annotations
 
 import asyncio
+import gc
 import logging
 import signal
 import sys
@@ -19,6 +20,12 @@ from pdserve.telemetry.metrics import start_metrics_server
 from pdserve.telemetry.setup import init_telemetry
 
 log = logging.getLogger("pdserve.services.recorder")
+# The recorder allocates a few dozen objects per event (messages, envelopes, COPY records, rows) that die
+# with their batch: a young-generation collection every 700 allocations (CPython's default) runs many
+# times per batch for nothing; every 20,000 it still runs a few times per 500-event batch (memory stays
+# bounded by a batch or two). Everything alive at start (modules, pydantic schemas) is frozen out of
+# the collector's scans. Measured on a 60k-event backlog: ~5 µs less recorder CPU per event (of ~45).
+GC_THRESHOLD = (20_000, 20, 10)
 
 
 async def serve(settings: RecorderSettings) -> None:
@@ -31,6 +38,9 @@ async def serve(settings: RecorderSettings) -> None:
     for sig in (signal.SIGTERM, signal.SIGINT):
         loop.add_signal_handler(sig, stop.set)
     log.info("recorder ready (nats %s, metrics :%d)", settings.nats_url, port)
+    gc.collect()
+    gc.freeze()
+    gc.set_threshold(*GC_THRESHOLD)
     try:
         await Recorder(bus, engine, settings).run(stop)  # returns once the batch in hand is committed
     finally:

@@ -10,13 +10,14 @@ from __future__ import annotations
 import logging
 import re
 import uuid
-from typing import NamedTuple
+from typing import Any, NamedTuple
 
 from nats.aio.msg import Msg
 from pydantic import TypeAdapter, ValidationError
 
 from pdserve.events import Event
 from pdserve.store.pull import stream_seq
+from pdserve.store.rows import event_record
 
 log = logging.getLogger("pdserve.store.recorder")
 
@@ -63,17 +64,20 @@ def _parse_all(msgs: list[Msg]) -> list[Event | None]:
 
 class Batch(NamedTuple):
     """One batch's messages, parsed: `events` by event_id → (stream seq, event), the first of a
-    duplicate; `good` the messages to ack, `bad` those that are not events (to terminate)."""
+    duplicate; `records` their `events` rows as COPY records, in the same order (built here, while the
+    batch before commits, not inside this batch's transaction); `good` the messages to ack, `bad` those
+    that are not events (to terminate)."""
 
     msgs: list[Msg]
     events: dict[str, tuple[int, Event]]
+    records: list[tuple[Any, ...]]
     good: list[Msg]
     bad: list[Msg]
 
 
 def prepare(msgs: list[Msg]) -> Batch:
     """Parse a batch of delivered messages (in delivery order)."""
-    batch = Batch(msgs, {}, [], [])
+    batch = Batch(msgs, {}, [], [], [])
     for msg, event in zip(msgs, _parse_all(msgs), strict=True):
         if event is None:
             batch.bad.append(msg)
@@ -81,4 +85,5 @@ def prepare(msgs: list[Msg]) -> Batch:
         else:  # the same event twice in one batch (republished outside the dedup window): keep the first
             batch.good.append(msg)
             batch.events.setdefault(event.event_id, (stream_seq(msg), event))
+    batch.records.extend(event_record(seq, event) for seq, event in batch.events.values())
     return batch

@@ -15,7 +15,14 @@ from sqlalchemy.ext.asyncio import AsyncConnection, AsyncEngine, create_async_en
 
 from pdserve.events import Event
 from pdserve.store.projection import Row, apply
-from pdserve.store.rows import ROWS_PER_STATEMENT, RecordedEvent, request_dict, row_event, upsert_requests
+from pdserve.store.rows import (
+    ROWS_PER_STATEMENT,
+    RecordedEvent,
+    driver,
+    request_dict,
+    row_event,
+    upsert_requests,
+)
 from pdserve.store.tables import REQUEST_STATES, TERMINAL_STATES, events, requests
 
 
@@ -116,12 +123,12 @@ async def _refold(conn: AsyncConnection, q: sa.Select) -> int:
             row = None
         row = apply(row, event, seq)
         if len(pending) >= ROWS_PER_STATEMENT:
-            await upsert_requests(conn, pending)
+            await upsert_requests(await driver(conn), pending)
             written += len(pending)
             pending = []
     if row is not None:
         pending.append(row)
-    await upsert_requests(conn, pending)
+    await upsert_requests(await driver(conn), pending)
     return written + len(pending)
 
 

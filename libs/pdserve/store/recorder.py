@@ -19,13 +19,16 @@ committed; so would a delivery lost in transit during a NATS reconnect.
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import logging
 import time
 from collections import defaultdict
+from collections.abc import Awaitable, Callable, Sequence
+from typing import Any
 
+import asyncpg
 import nats.errors
 import nats.js.errors
-import sqlalchemy as sa
 from nats.aio.msg import Msg
 from nats.js.api import AckPolicy, ConsumerConfig, DeliverPolicy
 from prometheus_client import Counter
@@ -38,8 +41,14 @@ from pdserve.events import Event
 from pdserve.store.batch import Batch, prepare
 from pdserve.store.projection import Row, apply, fold
 from pdserve.store.pull import BatchPuller
-from pdserve.store.rows import insert_events, lock_requests, row_event, upsert_requests
-from pdserve.store.tables import events
+from pdserve.store.rows import (
+    EVENTS_OF_REQUEST,
+    insert_events,
+    insert_new_events,
+    lock_requests,
+    row_event,
+    upsert_requests,
+)
 from pdserve.telemetry.metrics import EVENTS_RECORDER_LAG_SECONDS
 
 log = logging.getLogger(__name__)
@@ -68,7 +77,12 @@ EVENTS_REJECTED = Counter(
 # JetStream ack bodies, as nats-py's `Msg.Ack` spells them.
 ACK, NAK, TERM, IN_PROGRESS = b"+ACK", b"-NAK", b"+TERM", b"+WPI"
 
-_DB_DOWN = (DBAPIError, InterfaceError, OSError, asyncio.TimeoutError)
+# Postgres unreachable, restarting or shutting down, as SQLAlchemy (connecting) and asyncpg (statements on
+# the driver connection) raise it: the batch waits and is retried. Any other error is a bug.
+_DB_DOWN = (DBAPIError, InterfaceError, OSError, asyncio.TimeoutError, asyncpg.InterfaceError,
+            asyncpg.PostgresConnectionError, asyncpg.exceptions.OperatorInterventionError)
+EVENTS_PKEY = "events_pkey"  # the events table's primary key (event_id), as Postgres names it
+Inserter = Callable[[asyncpg.Connection, Sequence[tuple[Any, ...]]], Awaitable[set[int]]]
 
 
 class Recorder:
@@ -91,6 +105,7 @@ class Recorder:
         self.durable = durable
         self.consumer_check_s = consumer_check_s
         self._ahead: list[Msg] = []  # the batch prepared while the one before it commits
+        self._conn: AsyncConnection | None = None  # held while it works (`_driver`)
 
     async def run(self, stop: asyncio.Event) -> None:
         """Fetch, record and ack batches until `stop` is set. Raises only on a bug (a non-database error
@@ -136,6 +151,7 @@ class Recorder:
             # Delivered but not taken: handed back for immediate redelivery to the next recorder.
             await self._settle(puller.buffered, NAK)
             puller.buffered.clear()
+            await self._release()
 
     async def _ensure_consumer(self) -> None:
         """Create the stream and the durable consumer if absent. Raises `nats.errors.Error` if NATS does
@@ -185,17 +201,53 @@ class Recorder:
         """Write one batch in one transaction, then ack every message (terminate those that are not
         events). Returns the number of events newly inserted. Raises the database's error, acking nothing,
         if the transaction fails; retrying the same batch is safe (inserts are idempotent by event_id)."""
-        return await self._write(prepare(msgs))
+        try:
+            return await self._write(prepare(msgs))
+        finally:
+            await self._release()
+
+    async def _driver(self) -> asyncpg.Connection:
+        """The recorder's own connection (asyncpg's, under a pooled SQLAlchemy one): checked out once and
+        kept while it works, so a batch does not pay the pool's checkout ping (three round trips) and
+        SQLAlchemy's per-statement machinery; dropped by `_release` after any database error."""
+        if self._conn is None:
+            self._conn = await self.engine.connect()
+        return (await self._conn.get_raw_connection()).driver_connection
+
+    async def _release(self, broken: bool = False) -> None:
+        conn, self._conn = self._conn, None
+        if conn is not None:
+            with contextlib.suppress(*_DB_DOWN):
+                if broken:
+                    await conn.invalidate()
+                await conn.close()
 
     async def _write(self, batch: Batch) -> int:
-        async with self.engine.begin() as conn:
-            inserted = await insert_events(conn, list(batch.events.values()))
-            new = sorted((se for eid, se in batch.events.items() if eid in inserted), key=lambda se: se[0])
-            await self._project(conn, new)
+        try:
+            pg = await self._driver()
+            try:
+                async with pg.transaction():
+                    n_new = await self._insert_and_project(pg, batch, insert_events)
+            except asyncpg.UniqueViolationError as e:  # some already stored: again, skipping those
+                if e.constraint_name != EVENTS_PKEY:
+                    raise
+                async with pg.transaction():
+                    n_new = await self._insert_and_project(pg, batch, insert_new_events)
+        except _DB_DOWN:
+            await self._release(broken=True)
+            raise
         await self._settle(batch.good, ACK)
         await self._settle(batch.bad, TERM)
-        EVENTS_RECORDED.inc(len(new))
+        EVENTS_RECORDED.inc(n_new)
         EVENTS_REJECTED.inc(len(batch.bad))
+        return n_new
+
+    async def _insert_and_project(self, pg: asyncpg.Connection, batch: Batch, insert: Inserter) -> int:
+        """Insert the batch's events with `insert`, fold those inserted into their requests' rows; the
+        number inserted."""
+        inserted = await insert(pg, batch.records)
+        new = sorted((se for se in batch.events.values() if se[0] in inserted), key=lambda se: se[0])
+        await self._project(pg, new)
         return len(new)
 
     async def _settle(self, msgs: list[Msg], how: bytes) -> None:
@@ -209,32 +261,31 @@ class Recorder:
             log.warning("could not settle %d messages with %s (%s); they will be redelivered",
                         len(msgs), how.decode(), e)
 
-    async def _project(self, conn: AsyncConnection, new: list[tuple[int, Event]]) -> None:
+    async def _project(self, pg: asyncpg.Connection, new: list[tuple[int, Event]]) -> None:
         """Fold newly inserted events, in stream order, into their requests' rows."""
         by_request: dict[str, list[tuple[int, Event]]] = defaultdict(list)
         for seq, event in new:
             by_request[event.request_id].append((seq, event))
         if not by_request:
             return
-        current = await lock_requests(conn, list(by_request))
+        current = await lock_requests(pg, list(by_request))
         rows: list[Row] = []
         for request_id, evs in by_request.items():
             row = current.get(request_id)
             if row is not None and evs[0][0] < row["last_stream_seq"]:
                 # An older event landed after newer ones were folded (redelivery across a restart):
                 # fold the request again from its whole history, which now holds it.
-                row = await _fold_from_table(conn, request_id)
+                row = await _fold_from_table(pg, request_id)
             else:
                 for seq, event in evs:
                     row = apply(row, event, seq)
             assert row is not None
             rows.append(row)
-        await upsert_requests(conn, rows)
+        await upsert_requests(pg, rows)
 
 
-async def _fold_from_table(conn: AsyncConnection, request_id: str) -> Row | None:
-    q = sa.select(events).where(events.c.request_id == request_id).order_by(events.c.stream_seq)
-    return fold(row_event(r) for r in (await conn.execute(q)).mappings())
+async def _fold_from_table(pg: asyncpg.Connection, request_id: str) -> Row | None:
+    return fold(row_event(r) for r in await pg.fetch(EVENTS_OF_REQUEST, request_id))
 
 
 def _age_s(msg: Msg) -> float:

@@ -11,13 +11,14 @@ from typing import Any, NamedTuple
 import asyncpg
 import sqlalchemy as sa
 from pydantic_core import to_json
+from sqlalchemy.dialects import postgresql
 from sqlalchemy.ext.asyncio import AsyncConnection
 
 from pdserve.events import Event
 from pdserve.store.projection import Row, to_datetime
-from pdserve.store.tables import REQUEST_COLUMNS, events
+from pdserve.store.tables import REQUEST_COLUMNS, events, requests
 
-# asyncpg allows 32,767 bind parameters per statement; 26 columns × 1,000 rows stays under it.
+# Replay folds and writes this many request rows per statement (its memory stays bounded).
 ROWS_PER_STATEMENT = 1000
 
 
@@ -29,15 +30,17 @@ class RecordedEvent(NamedTuple):
 
 
 EVENT_COLUMNS = [c.name for c in events.columns]
+EVENTS_OF_REQUEST = "SELECT * FROM events WHERE request_id = $1::uuid ORDER BY stream_seq"
 _STAGING = "events_staging"
-_SAVEPOINT = "copy_events"
 _COLS = ", ".join(REQUEST_COLUMNS)
 # The one way `requests` rows are written (recorder and replay), as plain SQL on the driver connection:
-# asyncpg's executemany of one prepared statement, no SQLAlchemy statement building per batch (at ~10
-# transactions/s it took the recorder's CPU per event from ~545 to ~500 µs on this machine).
-_PARAMS = ", ".join(f"${i}" for i in range(1, len(REQUEST_COLUMNS) + 1))
+# one statement per batch whatever its number of rows, each column an array (`unnest`), instead of an
+# executemany of one row per execution (Postgres started and ran the plan once per row).
+_PG_TYPES = {c.name: c.type.compile(dialect=postgresql.dialect()) for c in requests.columns}
 _UPSERT_REQUESTS = (
-    f"INSERT INTO requests ({_COLS}) VALUES ({_PARAMS}) ON CONFLICT (request_id) DO UPDATE SET "
+    f"INSERT INTO requests ({_COLS}) SELECT * FROM unnest("
+    + ", ".join(f"${i}::{_PG_TYPES[c]}[]" for i, c in enumerate(REQUEST_COLUMNS, 1))
+    + ") ON CONFLICT (request_id) DO UPDATE SET "
     + ", ".join(f"{c} = EXCLUDED.{c}" for c in REQUEST_COLUMNS if c != "request_id")
 )
 _LOCK_REQUESTS = f"SELECT {_COLS} FROM requests WHERE request_id = ANY($1::uuid[]) FOR UPDATE"
@@ -81,17 +84,16 @@ def request_dict(row: Mapping[str, Any]) -> Row:
     return out
 
 
-async def upsert_requests(conn: AsyncConnection, rows: Sequence[Row]) -> None:
-    """Insert or overwrite whole `requests` rows (every column), inside the caller's transaction."""
+async def upsert_requests(pg: asyncpg.Connection, rows: Sequence[Row]) -> None:
+    """Insert or overwrite whole `requests` rows (every column; at most one row per request_id), inside
+    the transaction open on the driver connection `pg` (`driver`)."""
     if rows:
-        pg = await driver(conn)
-        await pg.executemany(_UPSERT_REQUESTS, [tuple(r[c] for c in REQUEST_COLUMNS) for r in rows])
+        await pg.execute(_UPSERT_REQUESTS, *([r[c] for r in rows] for c in REQUEST_COLUMNS))
 
 
-async def lock_requests(conn: AsyncConnection, request_ids: Sequence[str]) -> dict[str, Row]:
-    """The `requests` rows of `request_ids` that exist, locked (FOR UPDATE) in the caller's transaction,
-    by request_id."""
-    pg = await driver(conn)
+async def lock_requests(pg: asyncpg.Connection, request_ids: Sequence[str]) -> dict[str, Row]:
+    """The `requests` rows of `request_ids` that exist, locked (FOR UPDATE) in the transaction open on the
+    driver connection `pg`, by request_id."""
     return {str(r["request_id"]): request_dict(r) for r in await pg.fetch(_LOCK_REQUESTS, list(request_ids))}
 
 
@@ -103,29 +105,27 @@ def event_record(stream_seq: int, event: Event) -> tuple[Any, ...]:
             to_json(event.payload).decode())
 
 
-async def insert_events(conn: AsyncConnection, batch: Sequence[tuple[int, Event]]) -> set[str]:
-    """Insert `(stream_seq, event)` pairs (distinct event ids) into `events`, skipping any whose event_id
-    is already stored (a JetStream redelivery, or a republish outside the dedup window). Returns the event
-    ids actually inserted. Runs inside the caller's transaction."""
-    if not batch:
-        return set()
-    records = [event_record(seq, e) for seq, e in batch]
-    # Usually no event of a batch is stored yet: one COPY straight into `events` (COPY is ~5× an
-    # executemany here, DESIGN §9). A redelivered batch fails it on the primary key; then the batch goes
-    # again through a staging table and one INSERT … SELECT … ON CONFLICT DO NOTHING, which skips the
-    # stored ones (twice the work for Postgres, hence not the default path).
-    await conn.execute(sa.text(f"SAVEPOINT {_SAVEPOINT}"))  # (opens the transaction if not yet open)
-    pg = await driver(conn)
-    try:
+async def insert_events(pg: asyncpg.Connection, records: Sequence[tuple[Any, ...]]) -> set[int]:
+    """Insert `event_record`s (distinct event ids) into `events` in the transaction open on the driver
+    connection `pg`: one COPY straight into `events` (COPY is ~5× an executemany here, DESIGN §9).
+    Returns the stream sequences inserted (all of them). Raises `asyncpg.UniqueViolationError` (constraint
+    `events_pkey`; the transaction is then aborted) if an event_id is already stored (a JetStream
+    redelivery, or a republish outside the dedup window): redo the transaction with `insert_new_events`."""
+    if records:
         await pg.copy_records_to_table("events", columns=EVENT_COLUMNS, records=records)
-        return {e.event_id for _, e in batch}
-    except asyncpg.UniqueViolationError:
-        await pg.execute(f"ROLLBACK TO SAVEPOINT {_SAVEPOINT}")
+    return {r[1] for r in records}
+
+
+async def insert_new_events(pg: asyncpg.Connection, records: Sequence[tuple[Any, ...]]) -> set[int]:
+    """`insert_events` skipping the events already stored: through a staging table and one INSERT …
+    SELECT … ON CONFLICT DO NOTHING (twice Postgres's work, hence not the first try). Returns the stream
+    sequences actually inserted."""
+    if not records:
+        return set()
     # The staged rows commit (and are cleared, ON COMMIT DELETE ROWS) with the insert.
     await pg.execute(f"CREATE TEMP TABLE IF NOT EXISTS {_STAGING} (LIKE events) ON COMMIT DELETE ROWS")
     await pg.copy_records_to_table(_STAGING, columns=EVENT_COLUMNS, records=records)
     cols = ", ".join(EVENT_COLUMNS)
     inserted = await pg.fetch(f"INSERT INTO events ({cols}) SELECT {cols} FROM {_STAGING} "
                               "ON CONFLICT (event_id) DO NOTHING RETURNING stream_seq")
-    seqs = {r["stream_seq"] for r in inserted}
-    return {e.event_id for seq, e in batch if seq in seqs}
+    return {r["stream_seq"] for r in inserted}
