@@ -4,8 +4,10 @@ A durable pull consumer on `settings.events_stream` is read in batches of up to 
 events (`BatchPuller`: waiting at most `settings.fetch_timeout_s` for a first event, then `LINGER_S` for the
 batch to fill; the next batch is already requested while this one commits). Each batch is one
 transaction: the events are inserted (COPY; redeliveries skipped by event_id), the events actually
-inserted are folded into their requests' projection rows (`projection.apply`, in stream order, one upsert
-per request). Messages are acked only after the commit. When Postgres is unreachable nothing is acked: the
+inserted are folded into their requests' projection rows (`rows.project`, in stream order, one upsert
+statement). Two batches' transactions overlap, on two connections: a batch's COPY runs while the batch
+before folds and commits, and it folds only after that commit (so both see each request's rows in stream
+order). Messages are acked only after their batch's commit. When Postgres is unreachable nothing is acked: the
 batch is retried with exponential backoff while later events wait in JetStream. So "Postgres holds every
 event published so far" is exactly "the recorder's consumer has nothing pending or unacked" (`caught_up`).
 
@@ -22,7 +24,6 @@ import asyncio
 import contextlib
 import logging
 import time
-from collections import defaultdict
 from collections.abc import Awaitable, Callable, Sequence
 from typing import Any
 
@@ -37,18 +38,9 @@ from sqlalchemy.ext.asyncio import AsyncConnection, AsyncEngine
 
 from pdserve.bus import Bus
 from pdserve.config import RecorderSettings
-from pdserve.events import Event
 from pdserve.store.batch import Batch, prepare
-from pdserve.store.projection import Row, apply, fold
 from pdserve.store.pull import BatchPuller
-from pdserve.store.rows import (
-    EVENTS_OF_REQUEST,
-    insert_events,
-    insert_new_events,
-    lock_requests,
-    row_event,
-    upsert_requests,
-)
+from pdserve.store.rows import insert_events, insert_new_events, project
 from pdserve.telemetry.metrics import EVENTS_RECORDER_LAG_SECONDS
 
 log = logging.getLogger(__name__)
@@ -81,6 +73,10 @@ ACK, NAK, TERM, IN_PROGRESS = b"+ACK", b"-NAK", b"+TERM", b"+WPI"
 # the driver connection) raise it: the batch waits and is retried. Any other error is a bug.
 _DB_DOWN = (DBAPIError, InterfaceError, OSError, asyncio.TimeoutError, asyncpg.InterfaceError,
             asyncpg.PostgresConnectionError, asyncpg.exceptions.OperatorInterventionError)
+class _Stopped(Exception):  # noqa: N818 (a signal, not an error)
+    """The batch before was handed back (stopping) instead of committed: roll this one back too."""
+
+
 EVENTS_PKEY = "events_pkey"  # the events table's primary key (event_id), as Postgres names it
 Inserter = Callable[[asyncpg.Connection, Sequence[tuple[Any, ...]]], Awaitable[set[int]]]
 
@@ -104,20 +100,23 @@ class Recorder:
         self.settings = settings
         self.durable = durable
         self.consumer_check_s = consumer_check_s
-        self._ahead: list[Msg] = []  # the batch prepared while the one before it commits
-        self._conn: AsyncConnection | None = None  # held while it works (`_driver`)
+        self._ahead: list[Msg] = []  # the batch prepared while the two before it commit
+        self._conns: list[AsyncConnection | None] = [None, None]  # held while it works (`_driver`)
+        self._slot = 0  # the connection of the batch last started
 
     async def run(self, stop: asyncio.Event) -> None:
         """Fetch, record and ack batches until `stop` is set. Raises only on a bug (a non-database error
         while recording) or if NATS is unreachable when it starts; later NATS and Postgres outages are
         waited out.
 
-        Pipelined one batch deep: batch N+1 is pulled and parsed while batch N's transaction runs in
-        Postgres (the two use different cores); N+1's transaction starts only after N's commit."""
+        Pipelined: batch N+1 is pulled and parsed while batch N's transaction runs in Postgres (the two
+        use different cores), and N+1's transaction (on the other of two connections) starts at once: its
+        COPY runs while N's projection and commit do; N+1 folds its requests' rows only once N has
+        committed (`_write`), so commits, projections and acks stay in batch order."""
         await self._ensure_consumer()
         puller = BatchPuller(self.bus.nc, self.settings.events_stream, self.durable, self.settings.batch_size)
         await puller.start()
-        committing: asyncio.Future[None] | None = None
+        committing: list[asyncio.Future[bool]] = []  # at most two batches in flight, oldest first
         idle_since = time.monotonic()
         try:
             while not stop.is_set():
@@ -134,19 +133,23 @@ class Recorder:
                     await _sleep_unless(stop, BACKOFF_S[0])
                     continue
                 if not msgs:
-                    if committing is None or committing.done():
+                    if all(c.done() for c in committing):
                         RECORDER_LAG.set(0.0)
                     continue
                 idle_since = time.monotonic()
                 batch = prepare(msgs)
-                if committing is not None:
-                    self._ahead = msgs  # kept from redelivery too while the batch before waits out Postgres
-                    await committing
+                if len(committing) == 2:
+                    self._ahead = msgs  # kept from redelivery too while the batches before wait out Postgres
+                    await committing.pop(0)
                     self._ahead = []
-                committing = asyncio.ensure_future(self._commit_until_done(batch, puller.buffered, stop))
+                slot = (self._slot + 1) % 2  # the connection of the batch before the one still in flight
+                self._slot = slot
+                after = committing[-1] if committing else None
+                committing.append(asyncio.ensure_future(
+                    self._commit_until_done(batch, puller.buffered, stop, slot, after)))
         finally:
-            if committing is not None:
-                await committing
+            for c in committing:
+                await c
             await puller.stop()
             # Delivered but not taken: handed back for immediate redelivery to the next recorder.
             await self._settle(puller.buffered, NAK)
@@ -176,14 +179,19 @@ class Recorder:
             return True  # NATS unreachable: nothing to conclude; the next check asks again
         return True
 
-    async def _commit_until_done(self, batch: Batch, buffered: list[Msg], stop: asyncio.Event) -> None:
-        """Write `batch`, retrying while Postgres is down; the messages delivered after it (`buffered`,
-        and the batch prepared next) are kept from redelivery meanwhile too."""
+    async def _commit_until_done(self, batch: Batch, buffered: list[Msg], stop: asyncio.Event, slot: int = 0,
+                                 after: asyncio.Future[bool] | None = None) -> bool:
+        """Write `batch` on connection `slot` once `after` (the batch before, if still in flight) has
+        committed, retrying while Postgres is down; the messages delivered after it (`buffered`, and the
+        batch prepared next) are kept from redelivery meanwhile too. True once committed; False if
+        stopped first (the batch is nak'ed)."""
         msgs = batch.msgs
         delay = BACKOFF_S[0]
         while True:
             try:
-                await self._write(batch)
+                if await self._write(batch, slot, after) is None:
+                    await self._settle(msgs, NAK)  # the batch before was handed back: so is this one
+                    return False
                 break
             except _DB_DOWN as e:
                 RECORDER_LAG.set(_age_s(msgs[0]))
@@ -192,49 +200,60 @@ class Recorder:
                 await self._settle([*msgs, *self._ahead, *buffered], IN_PROGRESS)  # still ours
                 if await _sleep_unless(stop, delay):
                     await self._settle(msgs, NAK)  # stopping: hand the batch back for redelivery now
-                    return
+                    return False
                 delay = min(delay * 2, BACKOFF_S[1])
         last = msgs[-1].metadata
         RECORDER_LAG.set(0.0 if last.num_pending == 0 else _age_s(msgs[-1]))
+        return True
 
     async def record(self, msgs: list[Msg]) -> int:
         """Write one batch in one transaction, then ack every message (terminate those that are not
         events). Returns the number of events newly inserted. Raises the database's error, acking nothing,
         if the transaction fails; retrying the same batch is safe (inserts are idempotent by event_id)."""
         try:
-            return await self._write(prepare(msgs))
+            n_new = await self._write(prepare(msgs))
         finally:
             await self._release()
+        assert n_new is not None
+        return n_new
 
-    async def _driver(self) -> asyncpg.Connection:
-        """The recorder's own connection (asyncpg's, under a pooled SQLAlchemy one): checked out once and
-        kept while it works, so a batch does not pay the pool's checkout ping (three round trips) and
-        SQLAlchemy's per-statement machinery; dropped by `_release` after any database error."""
-        if self._conn is None:
-            self._conn = await self.engine.connect()
-        return (await self._conn.get_raw_connection()).driver_connection
+    async def _driver(self, slot: int) -> asyncpg.Connection:
+        """The recorder's connection `slot` (0 or 1; asyncpg's, under a pooled SQLAlchemy one): checked
+        out once and kept while it works, so a batch does not pay the pool's checkout ping (three round
+        trips) nor SQLAlchemy's per-statement machinery; dropped by `_release` after a database error."""
+        if self._conns[slot] is None:
+            self._conns[slot] = await self.engine.connect()
+        return (await self._conns[slot].get_raw_connection()).driver_connection
 
-    async def _release(self, broken: bool = False) -> None:
-        conn, self._conn = self._conn, None
-        if conn is not None:
-            with contextlib.suppress(*_DB_DOWN):
-                if broken:
-                    await conn.invalidate()
-                await conn.close()
+    async def _release(self, slot: int | None = None, broken: bool = False) -> None:
+        """Return connection `slot` (all if None) to the pool, invalidated if `broken`."""
+        for i in range(len(self._conns)) if slot is None else (slot,):
+            conn, self._conns[i] = self._conns[i], None
+            if conn is not None:
+                with contextlib.suppress(*_DB_DOWN):
+                    if broken:
+                        await conn.invalidate()
+                    await conn.close()
 
-    async def _write(self, batch: Batch) -> int:
+    async def _write(self, batch: Batch, slot: int = 0,
+                     after: asyncio.Future[bool] | None = None) -> int | None:
+        """One transaction on connection `slot`: the batch's events inserted, then — once `after` is done
+        — folded into their requests' rows; acks after the commit. Returns the number of events newly
+        inserted, or None (nothing committed, nothing settled) if `after` was stopped before committing."""
         try:
-            pg = await self._driver()
+            pg = await self._driver(slot)
             try:
                 async with pg.transaction():
-                    n_new = await self._insert_and_project(pg, batch, insert_events)
+                    n_new = await self._insert_and_project(pg, batch, insert_events, after)
             except asyncpg.UniqueViolationError as e:  # some already stored: again, skipping those
                 if e.constraint_name != EVENTS_PKEY:
                     raise
                 async with pg.transaction():
-                    n_new = await self._insert_and_project(pg, batch, insert_new_events)
+                    n_new = await self._insert_and_project(pg, batch, insert_new_events, after)
+        except _Stopped:
+            return None
         except _DB_DOWN:
-            await self._release(broken=True)
+            await self._release(slot, broken=True)
             raise
         await self._settle(batch.good, ACK)
         await self._settle(batch.bad, TERM)
@@ -242,12 +261,15 @@ class Recorder:
         EVENTS_REJECTED.inc(len(batch.bad))
         return n_new
 
-    async def _insert_and_project(self, pg: asyncpg.Connection, batch: Batch, insert: Inserter) -> int:
-        """Insert the batch's events with `insert`, fold those inserted into their requests' rows; the
-        number inserted."""
+    async def _insert_and_project(self, pg: asyncpg.Connection, batch: Batch, insert: Inserter,
+                                  after: asyncio.Future[bool] | None) -> int:
+        """Insert the batch's events with `insert`; once `after` has committed, fold those inserted into
+        their requests' rows. The number inserted. Raises `_Stopped` if `after` did not commit."""
         inserted = await insert(pg, batch.records)
+        if after is not None and not await after:
+            raise _Stopped
         new = sorted((se for se in batch.events.values() if se[0] in inserted), key=lambda se: se[0])
-        await self._project(pg, new)
+        await project(pg, new)
         return len(new)
 
     async def _settle(self, msgs: list[Msg], how: bytes) -> None:
@@ -260,32 +282,6 @@ class Recorder:
         except nats.errors.Error as e:
             log.warning("could not settle %d messages with %s (%s); they will be redelivered",
                         len(msgs), how.decode(), e)
-
-    async def _project(self, pg: asyncpg.Connection, new: list[tuple[int, Event]]) -> None:
-        """Fold newly inserted events, in stream order, into their requests' rows."""
-        by_request: dict[str, list[tuple[int, Event]]] = defaultdict(list)
-        for seq, event in new:
-            by_request[event.request_id].append((seq, event))
-        if not by_request:
-            return
-        current = await lock_requests(pg, list(by_request))
-        rows: list[Row] = []
-        for request_id, evs in by_request.items():
-            row = current.get(request_id)
-            if row is not None and evs[0][0] < row["last_stream_seq"]:
-                # An older event landed after newer ones were folded (redelivery across a restart):
-                # fold the request again from its whole history, which now holds it.
-                row = await _fold_from_table(pg, request_id)
-            else:
-                for seq, event in evs:
-                    row = apply(row, event, seq)
-            assert row is not None
-            rows.append(row)
-        await upsert_requests(pg, rows)
-
-
-async def _fold_from_table(pg: asyncpg.Connection, request_id: str) -> Row | None:
-    return fold(row_event(r) for r in await pg.fetch(EVENTS_OF_REQUEST, request_id))
 
 
 def _age_s(msg: Msg) -> float:

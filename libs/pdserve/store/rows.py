@@ -5,6 +5,7 @@ Shared by the recorder (live) and replay (`queries.rebuild_projections`), so bot
 
 from __future__ import annotations
 
+from collections import defaultdict
 from collections.abc import Mapping, Sequence
 from typing import Any, NamedTuple
 
@@ -15,7 +16,7 @@ from sqlalchemy.dialects import postgresql
 from sqlalchemy.ext.asyncio import AsyncConnection
 
 from pdserve.events import Event
-from pdserve.store.projection import Row, to_datetime
+from pdserve.store.projection import Row, fold, to_datetime
 from pdserve.store.tables import REQUEST_COLUMNS, events, requests
 
 # Replay folds and writes this many request rows per statement (its memory stays bounded).
@@ -129,3 +130,26 @@ async def insert_new_events(pg: asyncpg.Connection, records: Sequence[tuple[Any,
     inserted = await pg.fetch(f"INSERT INTO events ({cols}) SELECT {cols} FROM {_STAGING} "
                               "ON CONFLICT (event_id) DO NOTHING RETURNING stream_seq")
     return {r["stream_seq"] for r in inserted}
+
+
+async def project(pg: asyncpg.Connection, new: Sequence[tuple[int, Event]]) -> None:
+    """Fold newly inserted `(stream_seq, event)` pairs, in stream order, into their requests' rows, in the
+    transaction open on the driver connection `pg` (rows locked, folded, upserted in one statement)."""
+    by_request: dict[str, list[tuple[int, Event]]] = defaultdict(list)
+    for seq, event in new:
+        by_request[event.request_id].append((seq, event))
+    if not by_request:
+        return
+    current = await lock_requests(pg, list(by_request))
+    rows: list[Row] = []
+    for request_id, evs in by_request.items():
+        row = current.get(request_id)
+        if row is not None and evs[0][0] < row["last_stream_seq"]:
+            # An older event landed after newer ones were folded (redelivery across a restart): fold the
+            # request again from its whole history, which now holds it.
+            row = fold(row_event(r) for r in await pg.fetch(EVENTS_OF_REQUEST, request_id))
+        else:
+            row = fold(evs, row)
+        assert row is not None
+        rows.append(row)
+    await upsert_requests(pg, rows)
