@@ -200,7 +200,7 @@ async def part_throughput(n_events: int, tmp: Path) -> dict:
         cpu_us = {k: (v - cpu0.get(k, 0.0)) / n_events * 1e6 for k, v in _drain_cpu_s(rec.pid).items()}
         assert await count_events(engine) == n_events + len(warm)
         assert await caught_up(bus)
-        bare = await _bare_drain(bus, part.settings.events_stream, n_events + len(warm))
+        bare, bare_cpu_us = await _bare_drain(bus, part.settings.events_stream, n_events + len(warm))
     finally:
         await engine.dispose()
         await part.close()
@@ -212,7 +212,8 @@ async def part_throughput(n_events: int, tmp: Path) -> dict:
             "record_s_from_resume": samples[-1][0],
             "record_events_per_s_from_resume": n_events / samples[-1][0],
             "record_events_per_s_10_to_90": (n90 - n10) / (t90 - t10), "bare_consume_events_per_s": bare,
-            "drain_cpu_us_per_event": cpu_us, "loadavg_1m": os.getloadavg()[0]}
+            "bare_consume_cpu_us_per_event": bare_cpu_us, "drain_cpu_us_per_event": cpu_us,
+            "loadavg_1m": os.getloadavg()[0]}
 
 
 def _drain_cpu_s(recorder_pid: int) -> dict[str, float]:
@@ -239,23 +240,24 @@ def throughput_repeated(n_events: int, repeats: int, tmp: Path) -> dict:
     return {**runs_sorted[len(runs) // 2], "runs": runs}
 
 
-async def _bare_drain(bus: Bus, stream: str, n: int) -> float:
-    """Events/s of a consumer of its own that only pulls and acks the stream's `n` events."""
+async def _bare_drain(bus: Bus, stream: str, n: int) -> tuple[float, float]:
+    """(events/s, CPU µs per event of this process) of a consumer of its own that only pulls and acks the
+    stream's `n` events."""
     durable = "bench-bare"
     await bus.js.add_consumer(stream, ConsumerConfig(
         durable_name=durable, filter_subject=bus.subjects.all_events, ack_policy=AckPolicy.EXPLICIT,
         deliver_policy=DeliverPolicy.ALL, max_ack_pending=-1))
     puller = BatchPuller(bus.nc, stream, durable, 500)
     await puller.start()
-    got, t0 = 0, time.perf_counter()
+    got, t0, cpu0 = 0, time.perf_counter(), time.process_time()
     while got < n:
         msgs = await puller.next_batch(1.0, 0.05)
         for m in msgs:
             await bus.nc.publish(m.reply, b"+ACK")
         got += len(msgs)
-    rate = n / (time.perf_counter() - t0)
+    rate, cpu_us = n / (time.perf_counter() - t0), (time.process_time() - cpu0) / n * 1e6
     await puller.stop()
-    return rate
+    return rate, cpu_us
 
 
 async def part_lag(rate: float, seconds: float, tmp: Path) -> dict:
@@ -428,6 +430,8 @@ def markdown(r: dict) -> str:
     t, lag, s, sync = r["throughput"], r["lag"], r["serving"], r["jetstream_sync"]
     ms = 1000.0
     quartets = sorted(s["quartet_on_over_off"])
+    cpu = t["drain_cpu_us_per_event"]
+    cpu_sum = sum(cpu.values())
     rows = [
         (f"**sustained events/s into Postgres** (the running recorder draining a {t['events']:,}-event "
          f"backlog; slope from 10% to 90% of it; median of {len(t['runs'])} runs)",
@@ -439,6 +443,9 @@ def markdown(r: dict) -> str:
          f"{t['bare_consume_events_per_s']:,.0f}/s (recorder at "
          f"{t['record_events_per_s_10_to_90'] / t['bare_consume_events_per_s']:.0%} of it); runs: "
          + ", ".join(f"{x['bare_consume_events_per_s']:,.0f}" for x in t["runs"])),
+        ("CPU µs per event during the drain (median run; user + system): recorder, Postgres, nats-server",
+         f"{cpu['recorder']:.0f}, {cpu['postgres']:.0f}, {cpu['nats-server']:.0f} (sum {cpu_sum:.0f}); "
+         f"bare consumer's own: {t['bare_consume_cpu_us_per_event']:.0f}"),
         ("baseline: JetStream publish of the backlog (publish_async, acks awaited)",
          f"{t['publish_events_per_s']:,.0f}/s"),
         (f"recorder lag at {lag['rate_events_per_s']:,.0f} events/s for {lag['seconds']:.0f} s "
@@ -469,15 +476,20 @@ def markdown(r: dict) -> str:
 |---|---|
 {table}
 
-Recorder (libs/pdserve/store/recorder.py): one process, batches of ≤ 500 events per transaction (COPY into
-`events`, one upsert per request of the batch into `requests`), the next batch pulled while one commits,
-explicit acks after the commit. On this machine its own CPU is ~50 µs per event when the machine is quiet
-and 60–90 µs while other sessions load it, with Postgres ~20–30 µs and nats-server ~25–50 µs per event on
-the same 2 cores; about a quarter of the recorder's share is nats-py taking the message off the socket,
-which the bare-consumer row bounds. The sustained figure therefore moves with the load average in the
-table. At serving rates (a few hundred events/s, ~10 transactions/s) the cost per event is ~0.5 ms instead:
-each transaction's fixed round trips to Postgres and NATS (each a few slow syscalls on this VM) dominate,
-which is what the CPU share below measures.
+Recorder (libs/pdserve/store/recorder.py): one process, batches of ≤ 500 events, each one transaction (COPY
+into `events`; the batch's requests' rows locked, folded in Python by `projection.apply` — the fold replay
+uses — and upserted in one statement); two batches' transactions overlap on two connections (a batch's
+COPY runs while the batch before folds and commits), and the next batch is pulled and parsed meanwhile;
+explicit acks after each commit. Its CPU per event is in the table: of it, nats-py taking the message off
+the socket and acking it is about the bare consumer's own figure, the rest is validating the envelope
+(pydantic), the COPY record, the fold (which validates each projected payload) and asyncpg. At the
+target's 20,000 events/s the three processes need 20,000 × {cpu_sum:.0f} µs = {0.02 * cpu_sum:.1f} of
+the machine's 2 cores, which they share with the other sessions' work, and the recorder, one Python
+thread, tops out at {1e6 / cpu['recorder']:,.0f} events/s with a whole core to itself: the sustained figure
+therefore moves with the load average in the table. At serving rates (a few hundred events/s, ≤ 20
+transactions/s, `LINGER_S`) the CPU per event is many times higher: each transaction's fixed round trips
+to Postgres and NATS (each a few slow syscalls on this VM) dominate, which is what the CPU share below
+measures.
 
 Serving: tiny model, 1 prefill + 1 decode worker, {s['requests']} concurrent greedy completions of
 {s['max_tokens']} tokens per round; 3 warm-up rounds, then quartets on/off/off/on and off/on/on/off
