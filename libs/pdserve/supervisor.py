@@ -20,6 +20,7 @@ import sys
 import time
 from pathlib import Path
 
+import psutil
 from sqlalchemy.engine import make_url
 
 from pdserve.embedded import EmbeddedServer, start_nats, start_postgres
@@ -185,8 +186,12 @@ class Supervisor:
                     preexec_fn=child_dies_with_parent,
                 )
             self.procs[spec.name] = proc
-            ref = ProcessRef.of(proc.pid)
-            svc.pid, svc.create_time, svc.status = ref.pid, ref.create_time, "running"
+            try:
+                ref = ProcessRef.of(proc.pid)
+                svc.pid, svc.create_time = ref.pid, ref.create_time
+            except psutil.NoSuchProcess:  # it already exited and was reaped: its exit is handled below
+                svc.pid, svc.create_time = proc.pid, None
+            svc.status = "running"
             self.save()
             started = time.monotonic()
             code = await proc.wait()

@@ -52,12 +52,20 @@ def stand_in(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> list[ServiceSpe
     ]
 
 
-async def wait_for(predicate, timeout_s: float = 30.0) -> None:
+async def wait_for(predicate, timeout_s: float = 30.0, explain=lambda: "") -> None:
     for _ in range(int(timeout_s / 0.1)):
         if predicate():
             return
         await asyncio.sleep(0.1)
-    raise AssertionError("condition not reached in time")
+    raise AssertionError(f"condition not reached in {timeout_s} s {explain()}")
+
+
+def explain_stack(var_dir: Path) -> str:
+    """What the supervisor recorded and what each stand-in saw: the reason of a failed wait."""
+    parts = [f"state: {read_state(var_dir)}"]
+    for path in sorted(var_dir.glob("*.runs")) + sorted((var_dir / "log").glob("*.log")):
+        parts.append(f"{path.name}: {path.read_text(errors='replace')[-2000:]!r}")
+    return "\n".join(parts)
 
 
 def restarted_and_running(var_dir: Path, names: list[str]) -> bool:
@@ -94,7 +102,8 @@ async def run_stack(
     )
     running = asyncio.create_task(supervisor.run())
     try:
-        await wait_for(lambda: running.done() or restarted_and_running(var_dir, [s.name for s in plan]))
+        await wait_for(lambda: running.done() or restarted_and_running(var_dir, [s.name for s in plan]),
+                       explain=lambda: explain_stack(var_dir))
         assert not running.done(), f"supervisor exited early: {read_state(var_dir)}"
         state = read_state(var_dir)
         assert state is not None
@@ -165,6 +174,44 @@ async def test_supervisor_uses_given_servers_and_creates_the_database_if_absent(
         assert "alembic_version" in await table_names(database_url)  # migrated, not just created
         nc = await nats.connect(nats_url)  # the given server is left running
         await nc.close()
+    finally:
+        from pdserve.store.migrate import drop_database
+
+        drop_database(postgres_admin_url, name)
+
+
+async def test_a_child_gone_before_its_pid_is_recorded_is_still_restarted(
+    tmp_path: Path,
+    stand_in: list[ServiceSpec],
+    monkeypatch: pytest.MonkeyPatch,
+    nats_url: str,
+    postgres_admin_url: str,
+    run_id: str,
+) -> None:
+    """The stand-in's first run exits at once; when it is reaped before the supervisor reads its creation
+    time (psutil.NoSuchProcess — a race that a loaded machine wins), the supervisor still waits for its exit
+    and restarts it, instead of losing the service."""
+    import os
+
+    from pdserve.process import ProcessRef
+
+    original, children = ProcessRef.of, []
+
+    def gone_on_first_child(pid: int) -> ProcessRef:
+        if pid != os.getpid():
+            children.append(pid)
+            if len(children) == 1:
+                raise psutil.NoSuchProcess(pid)
+        return original(pid)
+
+    name = f"pdserve_gone_{run_id}"
+    database_url = make_url(postgres_admin_url).set(database=name).render_as_string(hide_password=False)
+    monkeypatch.setenv("PDS_NATS_URL", nats_url)
+    monkeypatch.setenv("PDS_DATABASE_URL", database_url)
+    monkeypatch.setattr(ProcessRef, "of", staticmethod(gone_on_first_child))
+    try:
+        _, runs = await run_stack(tmp_path / "var", stand_in[:1])
+        assert len(children) >= 2 and len(runs["decode-0"]) == 2
     finally:
         from pdserve.store.migrate import drop_database
 
