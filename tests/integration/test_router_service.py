@@ -28,6 +28,15 @@ DESC = sim_descriptor(16)  # every simulated worker's descriptor: all compatible
 PROMPT = tuple(range(7, 7 + 128))
 
 
+async def publish_idle_heartbeat(bus: Bus, worker_id: str, role: Role) -> None:
+    """A heartbeat of an idle worker with 4096 free KV tokens, as the router hears it."""
+    await bus.publish(
+        bus.subjects.heartbeat(worker_id),
+        Heartbeat(worker_id=worker_id, role=role, descriptor=DESC, num_running=0, num_waiting=0,
+                  kv_capacity_tokens=4096, kv_free_tokens=4096, ts=time.time()),
+    )
+
+
 @pytest.fixture(scope="module")
 async def bus(settings: CommonSettings) -> AsyncIterator[Bus]:
     b = await Bus.connect(
@@ -35,19 +44,7 @@ async def bus(settings: CommonSettings) -> AsyncIterator[Bus]:
     )
     cleanup = await setup(b, RouterSettings(**b.settings.model_dump()))
     for wid, role in (("p0", Role.PREFILL), ("p1", Role.PREFILL), ("d0", Role.DECODE)):
-        await b.publish(
-            b.subjects.heartbeat(wid),
-            Heartbeat(
-                worker_id=wid,
-                role=role,
-                descriptor=DESC,
-                num_running=0,
-                num_waiting=0,
-                kv_capacity_tokens=4096,
-                kv_free_tokens=4096,
-                ts=time.time(),
-            ),
-        )
+        await publish_idle_heartbeat(b, wid, role)
     yield b
     await cleanup()
     await b.close()
@@ -101,19 +98,7 @@ async def test_with_no_live_prefill_worker_the_router_places_the_prefill_on_the_
     )
     cleanup = await setup(b, RouterSettings(**b.settings.model_dump()))
     try:
-        await b.publish(
-            b.subjects.heartbeat("d0"),
-            Heartbeat(
-                worker_id="d0",
-                role=Role.DECODE,
-                descriptor=DESC,
-                num_running=0,
-                num_waiting=0,
-                kv_capacity_tokens=4096,
-                kv_free_tokens=4096,
-                ts=time.time(),
-            ),
-        )
+        await publish_idle_heartbeat(b, "d0", Role.DECODE)
         await b.nc.flush()
         await asyncio.sleep(0.05)
         d = await route(b, "r-local")
