@@ -63,7 +63,9 @@ def serve(stack: EnvStack, prompt: str) -> tuple[str, str]:
     raise AssertionError(f"lifecycle of {rid} not recorded in 20 s")
 
 
-def test_short_prompt_is_prefilled_by_the_decode_worker_and_a_long_one_disaggregated(local_stack, greedy_text):
+def test_short_prompt_is_prefilled_by_the_decode_worker_and_a_long_one_disaggregated(
+    local_stack, greedy_text
+):
     assert serve(local_stack, SHORT) == (greedy_text(SHORT), "local")
     assert serve(local_stack, LONG) == (greedy_text(LONG), "disaggregated")
 
