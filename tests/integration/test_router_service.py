@@ -40,7 +40,8 @@ async def publish_idle_heartbeat(bus: Bus, worker_id: str, role: Role) -> None:
 @pytest.fixture(scope="module")
 async def bus(settings: CommonSettings) -> AsyncIterator[Bus]:
     b = await Bus.connect(
-        settings.model_copy(update={"subject_prefix": settings.subject_prefix + "rt"}), "test"
+        settings.model_copy(update={"subject_prefix": settings.subject_prefix + "rt",
+                                   "events_stream": settings.events_stream + "_rt"}), "test"
     )
     cleanup = await setup(b, RouterSettings(**b.settings.model_dump()))
     for wid, role in (("p0", Role.PREFILL), ("p1", Role.PREFILL), ("d0", Role.DECODE)):
