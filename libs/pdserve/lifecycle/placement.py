@@ -29,6 +29,7 @@ from pdserve.messages import (
     RouteDecision,
     StartDecode,
 )
+from pdserve.telemetry import metrics
 
 log = logging.getLogger(__name__)
 tracer = trace.get_tracer("pdserve.coordinator")
@@ -104,6 +105,7 @@ class Placement(Phases):
                         raise
                     if not deferred:
                         deferred = True
+                        metrics.ADMISSION_DEFERRED.labels(worker_id=worker).inc()
                         await self.bus.emit(
                             self.request_id, AdmissionDeferred(decode_worker_id=worker, reason=e.message)
                         )

@@ -57,9 +57,11 @@ KV_TRANSFER_SECONDS = Histogram(
     "pdserve:kv_transfer_seconds", "Duration of one request's KV transfer, seconds, by receiving worker.",
     WORKER, buckets=TRANSFER_SECONDS_BUCKETS_S)
 CHECKSUM_FAILURES = Counter(
-    "pdserve:checksum_failures", "KV layers whose checksum did not match on arrival.", WORKER)
+    "pdserve:checksum_failures",
+    "KV transfers refused because a (layer, chunk) checksum did not match on arrival.", WORKER)
 ADMISSION_DEFERRED = Counter(
-    "pdserve:admission_deferred", "Reservations refused because the decode worker was full.", WORKER)
+    "pdserve:admission_deferred",
+    "Requests told their decode worker is full (once per request, as the AdmissionDeferred event).", WORKER)
 ADMISSION_QUEUE_LENGTH = Gauge(
     "pdserve:admission_queue_length",
     "Requests the coordinator accepted that hold no decode reservation yet (at most max_waiting_requests).")

@@ -55,6 +55,7 @@ from pdserve.messages import (
     Role,
     StartDecode,
 )
+from pdserve.telemetry import metrics
 from pdserve.transfer.base import ChecksumMismatchError, KVTransport, TransferStats, TransferTimeout
 from pdserve.workers.engine_loop import EngineLoop
 from pdserve.workers.kv_events import KVEventPublisher
@@ -140,6 +141,8 @@ class Worker:
                 raise RejectedError(RejectCode.INVALID, f"can never fit: {e}") from e
             except NoFreeBlocks as e:
                 raise RejectedError(RejectCode.CAPACITY, str(e)) from e
+        if known:
+            self._count_prefix_cache(req.num_prompt_tokens, seq.num_cached_tokens)
         slot = Slot(req.request_id, req.transfer_id, seq, lease_deadline=time.monotonic() + req.lease_s)
         if self.transport is not None:
             try:
@@ -166,6 +169,8 @@ class Worker:
         cfg = self.loaded.config
 
         async def completed(stats: TransferStats) -> None:
+            metrics.KV_TRANSFER_BYTES.labels(worker_id=self.worker_id).inc(stats.kv_bytes)
+            metrics.KV_TRANSFER_SECONDS.labels(worker_id=self.worker_id).observe(stats.seconds)
             await self.bus.emit(
                 req.request_id,
                 TransferCompleted(
@@ -280,7 +285,8 @@ class Worker:
                 self.worker_id,
             )
             span.set_attribute("pdserve.num_cached_tokens", cached)
-            if outbound is not None:
+            if outbound is not None:  # (a local prefill's cache lookup was counted at its reservation)
+                self._count_prefix_cache(num_prompt, cached)
                 self.prefilling.pop(req.request_id, None)
                 kv_bytes = await outbound.complete(self.loaded.config.num_layers, seq.num_chunks_sent)
         return PrefillResult(
@@ -323,6 +329,7 @@ class Worker:
             try:
                 stats = await slot.kv.ready()
             except ChecksumMismatchError as e:
+                metrics.CHECKSUM_FAILURES.labels(worker_id=self.worker_id).inc()
                 await self.bus.emit(
                     req.request_id,
                     ChecksumMismatch(
@@ -371,8 +378,10 @@ class Worker:
     # ------------------------------------------------------------ heartbeats and leases
 
     def heartbeat(self) -> Heartbeat:
+        """This worker's load and capacity now; the scheduler gauges of /metrics are set from the same
+        figures (so they move with each heartbeat)."""
         bm = self.engine.block_manager
-        return Heartbeat(
+        hb = Heartbeat(
             worker_id=self.worker_id,
             role=self.role,
             descriptor=self.descriptor,
@@ -382,6 +391,17 @@ class Worker:
             kv_free_tokens=bm.num_free_blocks * bm.block_size,
             ts=time.time(),
         )
+        metrics.NUM_REQUESTS_RUNNING.labels(worker_id=self.worker_id).set(hb.num_running)
+        metrics.NUM_REQUESTS_WAITING.labels(worker_id=self.worker_id).set(hb.num_waiting)
+        metrics.KV_CACHE_USAGE_PERC.labels(worker_id=self.worker_id).set(
+            1 - hb.kv_free_tokens / hb.kv_capacity_tokens)
+        return hb
+
+    def _count_prefix_cache(self, num_prompt_tokens: int, num_cached_tokens: int) -> None:
+        """One prefix cache lookup: `num_prompt_tokens` queried, `num_cached_tokens` found (vLLM's
+        prefix_cache_queries / prefix_cache_hits, in tokens)."""
+        metrics.PREFIX_CACHE_QUERIES.labels(worker_id=self.worker_id).inc(num_prompt_tokens)
+        metrics.PREFIX_CACHE_HITS.labels(worker_id=self.worker_id).inc(num_cached_tokens)
 
     async def run_heartbeats(self) -> None:
         """Publish a heartbeat (and a KV digest) every interval; free reservations whose lease expired."""
