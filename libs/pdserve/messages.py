@@ -77,6 +77,9 @@ class Subjects:
     def tokens(self, request_id: str) -> str:
         return f"{self.prefix}.tokens.{request_id}"
 
+    def incompatible(self, worker_id: str = "*") -> str:
+        return f"{self.prefix}.incompatible.{worker_id}"
+
     def event(self, request_id: str, event_type: str) -> str:
         return f"{self.prefix}.events.{request_id}.{event_type}"
 
@@ -351,6 +354,18 @@ class Heartbeat(Message):
     kv_capacity_tokens: int
     kv_free_tokens: int
     ts: float
+
+
+class WorkerIncompatible(Message):
+    """Published by the router when a worker's descriptor matches no live worker of the other pool, so
+    it is never paired (nor used) while that lasts. `differences`: field → (this worker's value, the
+    first peer's value), as strings."""
+
+    worker_id: str
+    role: Role
+    descriptor: CompatibilityDescriptor
+    peers: tuple[str, ...]
+    differences: dict[str, tuple[str, str]]
 
 
 # ---------------------------------------------------------------- KV cache events (vLLM's KV events)

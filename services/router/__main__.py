@@ -23,7 +23,13 @@ async def setup(bus: Bus, settings: RouterSettings):
     placer = Placer(settings)
 
     async def on_heartbeat(hb: Heartbeat) -> None:
-        placer.observe_heartbeat(hb)
+        if (report := placer.observe_heartbeat(hb)) is not None:
+            log.warning(
+                "%s worker %s matches no live peer (%s): it is not paired while that lasts; differs in %s",
+                report.role.value, report.worker_id, ", ".join(report.peers),
+                ", ".join(f"{k} {mine} vs {theirs}" for k, (mine, theirs) in report.differences.items()),
+            )
+            await bus.publish(bus.subjects.incompatible(hb.worker_id), report)
 
     async def on_kv_events(batch: KVEvents) -> None:
         placer.observe_kv_events(batch)

@@ -20,6 +20,7 @@ from pdserve.messages import (
     Role,
     RouteDecision,
     RouteRequest,
+    WorkerIncompatible,
 )
 from pdserve.routing.simulate import sim_descriptor
 from pdserve.services.router.__main__ import setup
@@ -28,11 +29,11 @@ DESC = sim_descriptor(16)  # every simulated worker's descriptor: all compatible
 PROMPT = tuple(range(7, 7 + 128))
 
 
-async def publish_idle_heartbeat(bus: Bus, worker_id: str, role: Role) -> None:
+async def publish_idle_heartbeat(bus: Bus, worker_id: str, role: Role, descriptor=DESC) -> None:
     """A heartbeat of an idle worker with 4096 free KV tokens, as the router hears it."""
     await bus.publish(
         bus.subjects.heartbeat(worker_id),
-        Heartbeat(worker_id=worker_id, role=role, descriptor=DESC, num_running=0, num_waiting=0,
+        Heartbeat(worker_id=worker_id, role=role, descriptor=descriptor, num_running=0, num_waiting=0,
                   kv_capacity_tokens=4096, kv_free_tokens=4096, ts=time.time()),
     )
 
@@ -107,3 +108,23 @@ async def test_with_no_live_prefill_worker_the_router_places_the_prefill_on_the_
     finally:
         await cleanup()
         await b.close()
+
+
+async def test_a_decode_worker_that_matches_no_prefill_worker_is_reported(bus):
+    reports: list[WorkerIncompatible] = []
+
+    async def on_report(r: WorkerIncompatible) -> None:
+        reports.append(r)
+
+    sub = await bus.subscribe(bus.subjects.incompatible(), WorkerIncompatible, on_report)
+    try:
+        await publish_idle_heartbeat(bus, "p0", Role.PREFILL)
+        await publish_idle_heartbeat(bus, "d9", Role.DECODE, DESC.model_copy(update={"hash_seed": 7}))
+        await bus.nc.flush()
+        for _ in range(50):
+            if reports:
+                break
+            await asyncio.sleep(0.02)
+        assert [(r.worker_id, r.differences) for r in reports] == [("d9", {"hash_seed": ("7", "0")})]
+    finally:
+        await sub.unsubscribe()

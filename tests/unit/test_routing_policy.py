@@ -235,13 +235,21 @@ def test_local_prefill_counts_what_the_decode_worker_has_cached():
     assert p.route(req("r1", PROMPT)).mode == "local"  # 16 uncached tokens on d0
 
 
-def test_incompatible_workers_are_never_paired():
-    """d0 cannot take p0's KV: it prefills for itself rather than being paired with p0."""
+def test_incompatible_workers_are_never_paired_and_reported_once():
+    """d0 cannot take p0's KV: it is reported (once per descriptor, not per heartbeat) and prefills for
+    itself rather than being paired with p0; a compatible peer ends the report."""
     p = Placer(RouterSettings())
-    p.observe_heartbeat(hb("p0", Role.PREFILL))
-    p.observe_heartbeat(hb("d0", Role.DECODE, descriptor=DESC.model_copy(update={"block_size": 32})))
+    assert p.observe_heartbeat(hb("p0", Role.PREFILL)) is None  # no decode worker yet: nothing to match
+    odd = DESC.model_copy(update={"block_size": 32})
+    report = p.observe_heartbeat(hb("d0", Role.DECODE, descriptor=odd))
+    assert report is not None and (report.worker_id, report.peers) == ("d0", ("p0",))
+    assert report.differences == {"block_size": ("32", "16")}
+    assert p.observe_heartbeat(hb("d0", Role.DECODE, descriptor=odd)) is None
     d = p.route(req("r", PROMPT))
     assert (d.mode, d.prefill_worker_id, d.decode_worker_id) == ("local", "d0", "d0")
+    assert p.observe_heartbeat(hb("p1", Role.PREFILL, descriptor=odd)) is None  # p1 matches d0
+    assert p.observe_heartbeat(hb("d0", Role.DECODE, descriptor=odd)) is None
+    assert p.observe_heartbeat(hb("p0", Role.PREFILL)).differences == {"block_size": ("16", "32")}
 
 
 def test_with_no_live_prefill_worker_the_decode_worker_prefills_itself():

@@ -34,6 +34,7 @@ from pdserve.messages import (
     Role,
     RouteDecision,
     RouteRequest,
+    WorkerIncompatible,
 )
 from pdserve.routing.active_load import ActiveLoad
 from pdserve.routing.kv_index import KVIndex
@@ -61,12 +62,22 @@ class Placer:
         self.registry = WorkerRegistry(settings.heartbeat_timeout_s, clock)
         self.index = KVIndex(settings.kv_index_ttl_s, clock)
         self.load = ActiveLoad(settings.booking_max_age_s, clock, settings.balance_window_requests)
+        self._reported: dict[str, CompatibilityDescriptor] = {}  # workers reported as matching no peer
 
     # ------------------------------------------------------------ inputs
 
-    def observe_heartbeat(self, hb: Heartbeat) -> None:
+    def observe_heartbeat(self, hb: Heartbeat) -> WorkerIncompatible | None:
+        """Record the heartbeat. Returns a report the first time the worker, with this descriptor, matches
+        no live worker of the other pool (it is never paired while that lasts); None otherwise."""
         self.registry.observe(hb)
         self.index.touch(hb.worker_id)
+        report = self.registry.unmatched(hb)
+        if report is None:
+            self._reported.pop(hb.worker_id, None)
+        elif self._reported.get(hb.worker_id) != hb.descriptor:
+            self._reported[hb.worker_id] = hb.descriptor
+            return report
+        return None
 
     def observe_kv_events(self, batch: KVEvents) -> None:
         self.index.apply(batch)

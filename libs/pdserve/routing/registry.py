@@ -6,7 +6,9 @@ import time
 from collections.abc import Callable
 from dataclasses import dataclass
 
-from pdserve.messages import CompatibilityDescriptor, Heartbeat, Role
+from pdserve.messages import CompatibilityDescriptor, Heartbeat, Role, WorkerIncompatible
+
+_OTHER_POOL = {Role.PREFILL: Role.DECODE, Role.DECODE: Role.PREFILL}
 
 
 @dataclass
@@ -47,6 +49,25 @@ class WorkerRegistry:
         return sorted(
             (s for s in self._workers.values() if s.heartbeat.role in roles),
             key=lambda s: s.heartbeat.worker_id,
+        )
+
+    def unmatched(self, hb: Heartbeat) -> WorkerIncompatible | None:
+        """The report on `hb`'s worker when the other pool has live workers and none is compatible with
+        it; None when one is, when the other pool is empty (nothing to pair with yet), or for a unified
+        worker (it never transfers KV)."""
+        other = _OTHER_POOL.get(hb.role)
+        peers = self.live(other) if other is not None else []
+        if not peers or any(self.compatible(hb.descriptor, p.heartbeat.descriptor) for p in peers):
+            return None
+        first = peers[0].heartbeat.descriptor
+        return WorkerIncompatible(
+            worker_id=hb.worker_id,
+            role=hb.role,
+            descriptor=hb.descriptor,
+            peers=tuple(p.heartbeat.worker_id for p in peers),
+            differences={
+                k: (str(v), str(getattr(first, k))) for k, v in hb.descriptor if getattr(first, k) != v
+            },
         )
 
     @staticmethod
