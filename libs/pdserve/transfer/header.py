@@ -23,10 +23,8 @@ class ChunkHeader(Message):
     layer `layer`'s KV `[max_tokens, 2, num_kv_heads, head_dim]`, hashed by the sender to `checksum`
     (xxh3-64 hex of the whole chunk).
 
-    Over TCP the checksum travels in the header. Over UCX it is None: the payload travels as pieces of
-    `piece_bytes` (the last one shorter) on tags `payload_tag`, `payload_tag + 1`, ..., each hashed by the
-    sender just before it is sent and by the receiver as soon as it lands, and the 16 hex characters of the
-    checksum follow on tag `payload_tag + num_pieces` (see `ucxx_transport`)."""
+    Over UCX the payload travels as pieces of `piece_bytes` (the last one shorter) on tags `payload_tag`,
+    `payload_tag + 1`, ..., each hashed by the receiver as soon as it lands (see `ucxx_transport`)."""
 
     kind: Literal["chunk"] = "chunk"
     transfer_id: str

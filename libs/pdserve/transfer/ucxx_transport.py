@@ -2,16 +2,17 @@
 
 Receiver: one UCX worker per process, published as the endpoint address (base64 of its UCX worker
 address, handed to peers out of band in the Reservation). It receives with worker-level tagged receives,
-so it needs no endpoint back to any sender: a receive loop takes every control message on `_CONTROL_TAG`;
-a `ChunkHeader` names the tags its payload pieces and checksum travel on, and the loop posts every piece's
-receive (straight into the expected transfer's buffer view) before it takes the next control message; a
-task per chunk then hashes each piece as it lands, while the next piece is still being copied.
+so it needs no endpoint back to any sender: `_CONTROL_RING` receives stay posted on `_CONTROL_TAG` and
+take every control message; a `ChunkHeader` (with the chunk's xxh3-64) names the tags its payload pieces
+travel on, and the loop posts every piece's receive (straight into the expected transfer's buffer view)
+before it takes the next control message; a task per chunk then hashes each piece as it lands, while the
+next piece is still being copied, and verifies the chunk against the header's checksum.
 
 Sender: an endpoint per peer from `create_endpoint_from_worker_address`, cached and reused; each chunk is
-the header on `_CONTROL_TAG`, the payload in `_PIECE_BYTES` pieces on consecutive tags unique to this
-sender (random 31-bit sender id, 32-bit sequence number), all posted at once, then the xxh3-64 of the
-whole chunk (hashed while the pieces are copied) on the next tag. UCX copies each piece with one kernel
-`process_vm_readv` by the receiver (CMA rendezvous); benchmarks/transfer.py measures that copy's ceiling.
+hashed (xxh3-64), then sent as the header on `_CONTROL_TAG` and the payload in `_PIECE_BYTES` pieces on
+consecutive tags unique to this sender (random 31-bit sender id, 32-bit sequence number), all posted at
+once. UCX copies each piece with one kernel `process_vm_readv` by the receiver (CMA rendezvous);
+benchmarks/transfer.py measures that copy's ceiling and bare ucxx beside this transport.
 
 Configuration: shared memory (`UCX_TLS=sm,self`; DESIGN §9 measured bare ucxx at 5.4 / 7.0 / 7.7 GB/s at
 1 / 16 / 256 MiB, against 1.9-2.0 for UCX over TCP), `endpoint_error_handling=False`, and a UCX progress
@@ -27,6 +28,7 @@ import base64
 import logging
 import os
 import random
+from collections import deque
 
 import numpy as np
 from ucxx._lib.arr import Array
@@ -34,7 +36,7 @@ from ucxx.types import Tag
 
 from pdserve.messages import KVEndpoint
 from pdserve.transfer.base import TransferError
-from pdserve.transfer.checksum import StreamingXxh3
+from pdserve.transfer.checksum import StreamingXxh3, xxh3_hex_async
 from pdserve.transfer.chunked import ChunkedTransport, flip_one_byte
 from pdserve.transfer.header import (
     MAX_CONTROL_BYTES,
@@ -51,17 +53,20 @@ log = logging.getLogger(__name__)
 # Control messages use a tag with the top bit set; payload tags never have it, so the two cannot collide.
 _CONTROL_TAG = 0xF0D5_E27E_0000_0001
 _DEFAULT_TLS = "sm,self"
-_CHECKSUM_BYTES = 16  # the xxh3-64 hex digest, sent after a chunk's last piece
-# A chunk travels in pieces of this many bytes so that hashing (sender and receiver) overlaps the copy.
+# Control receives kept posted at once (see `_recv_loop`); more headers than this in flight just wait
+# in UCX's unexpected queue.
+_CONTROL_RING = 64
+# A chunk travels in pieces of this many bytes so that the receiver's hashing overlaps the copy.
 _PIECE_BYTES = 4 << 20
 
 
 def _piece_bytes() -> int:
     return int(os.environ.get("PDS_UCXX_PIECE_BYTES", _PIECE_BYTES))
-# "thread" (a UCX progress thread) measured 2-4x faster than "blocking" through this transport under the
-# shared load of this 2-core machine (issue 4: 0.60 / 1.3-1.6 GB/s at 1 / 16 MiB against 0.09-0.30 /
-# 0.46-0.58): blocking progress waits for the event loop to come round to the worker's fd between the
-# header and the rendezvous of each payload.
+# "thread": a UCX progress thread copies while the event loop hashes, and idles in epoll. "blocking"
+# measured up to 2x faster on many-chunk transfers (issue 4: 2.8 against 1.3-1.5 GB/s at 16 MiB in 32
+# chunks) but cannot serve: ucxx then completes requests by `wait_yield` (asyncio.sleep(0) polling), so an
+# idle worker with its control receives posted burns a core, and all posted copies run inside one
+# `worker.progress()` on the event loop, so no piece is hashed until every copy is done.
 _DEFAULT_PROGRESS_MODE = "thread"
 
 _context = None  # the process's ucxx ApplicationContext: one UCX worker per process
@@ -148,31 +153,23 @@ class UcxxTransport(ChunkedTransport):
     async def _send_chunk(self, endpoint: KVEndpoint, header: ChunkHeader, payload: np.ndarray,
                           corrupt: bool) -> None:
         ep = await self._endpoint_to(endpoint.address)
-        pieces = piece_ranges(payload.nbytes, _piece_bytes())
-        tag = self._take_tags(len(pieces) + 1)
-        header = header.model_copy(update={"payload_tag": tag, "piece_bytes": _piece_bytes()})
-        # Post the header and every piece at once, then hash the pieces in order while the receiver's
-        # progress thread copies them (both only read `payload`), and post the checksum last. Fault
-        # injection (`corrupt`) hashes first, then sends one piece as a flipped copy.
+        piece_bytes = _piece_bytes()
+        pieces = piece_ranges(payload.nbytes, piece_bytes)
+        # The checksum travels in the header, so a chunk is one control message and its pieces: hashing
+        # first costs ~40 us per MiB here, a third message per chunk cost more (issue 4 timeline).
+        checksum = await xxh3_hex_async(payload)
+        tag = self._take_tags(len(pieces))
+        header = header.model_copy(update={"checksum": checksum, "payload_tag": tag,
+                                           "piece_bytes": piece_bytes})
+        bad_piece = random.randrange(len(pieces)) if corrupt else -1  # fault injection: a flipped copy
         # A UCX request does not keep its buffer alive: `buffers` does, until every send completed.
-        digest = StreamingXxh3()
-        bad_piece = -1
-        if corrupt:
-            for a, b in pieces:
-                await digest.update(payload[a:b])
-            bad_piece = random.randrange(len(pieces))
         buffers = [Array(bytearray(encode_control(header)))]
         requests = [ep._ep.tag_send(buffers[0], Tag(_CONTROL_TAG))]
         for i, (a, b) in enumerate(pieces):
             if b > a:
                 buffers.append(Array(flip_one_byte(payload[a:b]) if i == bad_piece else payload[a:b]))
                 requests.append(ep._ep.tag_send(buffers[-1], Tag(tag + i)))
-        if not corrupt:
-            for a, b in pieces:
-                await digest.update(payload[a:b])
-        buffers.append(Array(bytearray(digest.hexdigest().encode("ascii"))))
-        requests.append(ep._ep.tag_send(buffers[-1], Tag(tag + len(pieces))))
-        await self._guard(endpoint.address, asyncio.gather(*(r.wait() for r in requests)))
+        await self._guard(endpoint.address, _settled(requests))
         buffers.clear()  # only now may the pieces' memory go
 
     def _take_tags(self, n: int) -> int:
@@ -187,8 +184,8 @@ class UcxxTransport(ChunkedTransport):
 
     async def _send_control(self, endpoint: KVEndpoint, msg: FinishMarker) -> None:
         ep = await self._endpoint_to(endpoint.address)
-        await self._guard(endpoint.address, ep.send(bytearray(encode_control(msg)), tag=_CONTROL_TAG,
-                                                    force_tag=True))
+        buf = Array(bytearray(encode_control(msg)))
+        await self._guard(endpoint.address, _settled([ep._ep.tag_send(buf, Tag(_CONTROL_TAG))]))
 
     async def _guard(self, address: str, sending) -> None:
         try:
@@ -223,15 +220,31 @@ class UcxxTransport(ChunkedTransport):
         task.add_done_callback(self._tasks.discard)
 
     async def _recv_loop(self) -> None:
-        """Take every control message addressed to this worker, from any sender."""
+        """Take every control message addressed to this worker, from any sender.
+
+        `_CONTROL_RING` receives stay posted on the control tag: UCX matches messages to them in post order,
+        so awaiting the oldest keeps the order, and a burst of headers (a prefill worker fires every layer
+        without waiting) lands without a completion → event loop → re-post round trip per header."""
         table = self._receiving()
-        control = bytearray(MAX_CONTROL_BYTES)
+        worker = self._ctx.worker
+        ring: deque[tuple[object, bytearray]] = deque()
+
+        def post(buf: bytearray) -> None:
+            ring.append((worker.tag_recv(Array(buf), Tag(_CONTROL_TAG)), buf))
+
+        for _ in range(_CONTROL_RING):
+            post(bytearray(MAX_CONTROL_BYTES))
         while True:
-            await self._ctx.recv(control, _CONTROL_TAG)
+            request, control = ring[0]
+            await request.wait()
+            ring.popleft()
             try:
                 msg = decode_control(control)
             except ValueError as e:
                 log.warning("dropping a malformed KV control message: %s", e)
+                msg = None
+            post(control)  # safe: decode_control copied what it needed
+            if msg is None:
                 continue
             if isinstance(msg, FinishMarker):
                 table.finish(msg)
@@ -239,28 +252,39 @@ class UcxxTransport(ChunkedTransport):
                 # Post every piece's receive now, before this loop takes the next control message, so
                 # the pieces land while the next header is decoded; then hash them as they land.
                 landing = table.open_chunk(msg)
-                pieces = piece_ranges(msg.nbytes, msg.piece_bytes)
-                worker = self._ctx.worker
-                trailer = bytearray(_CHECKSUM_BYTES)
+                pieces = [(a, b) for a, b in piece_ranges(msg.nbytes, msg.piece_bytes) if b > a]
                 # A UCX request does not keep its buffer alive: `buffers` does, until `_land` returns.
-                buffers = [Array(landing.view[a:b]) for a, b in pieces if b > a] + [Array(trailer)]
-                tags = [msg.payload_tag + i for i, (a, b) in enumerate(pieces) if b > a]
-                tags.append(msg.payload_tag + len(pieces))
-                requests = [worker.tag_recv(buf, Tag(t)) for buf, t in zip(buffers, tags, strict=True)]
-                self._spawn(self._land(msg, landing, pieces, requests, trailer, buffers))
+                buffers = [Array(landing.view[a:b]) for a, b in pieces]
+                requests = [worker.tag_recv(buf, Tag(msg.payload_tag + i)) for i, buf in enumerate(buffers)]
+                self._spawn(self._land(msg, landing, pieces, requests, buffers))
 
     async def _land(self, header: ChunkHeader, landing: Landing, pieces: list[tuple[int, int]],
-                    requests: list, trailer: bytearray, buffers: list) -> None:
+                    requests: list, buffers: list) -> None:
+        """Hash each piece as soon as it lands (while later pieces are still copied), then verify."""
         landed, digest = False, StreamingXxh3()
         try:
-            for (a, b), request in zip(pieces, requests, strict=False):
-                if b > a:
-                    await request.wait()
+            for (a, b), request in zip(pieces, requests, strict=True):
+                await _settled([request])
                 if landing.inbound is not None:  # scratch landings are never read, so never hashed
                     await digest.update(landing.view[a:b])
-            await requests[-1].wait()
-            header = header.model_copy(update={"checksum": trailer.decode("ascii", "replace")})
             landed = True
         finally:
             await self._receiving().close_chunk(header, landing, landed_ok=landed,
                                                 actual=digest.hexdigest() if landed else None)
+
+
+async def _settled(requests: list) -> None:
+    """Wait for UCX requests, then raise the first one's error (UCXError family). With ucxx's notifier
+    thread (progress mode "thread") through their Python futures directly: 22 us per send+receive pair
+    here, against 118 us through `request.wait()` coroutines gathered as tasks (issue 4)."""
+    if not requests:
+        return
+    if _context is not None and _context.worker.enable_python_future:
+        pending = [f for r in requests if not (f := r.future).done()]
+        if pending:
+            await asyncio.gather(*pending)
+        for r in requests:
+            r.check_error()
+    else:
+        for r in requests:
+            await r.wait()
