@@ -8,6 +8,7 @@ server never see each other's messages.
 
 from __future__ import annotations
 
+import asyncio
 import os
 import uuid
 from collections.abc import Iterator
@@ -85,15 +86,31 @@ def database_url(postgres_admin_url: str, run_id: str) -> Iterator[str]:
 
 
 @pytest.fixture(scope="session")
-def settings(nats_url: str, database_url: str, run_id: str, tmp_path_factory) -> CommonSettings:
-    """Settings every service of this run shares: own subject prefix and events stream."""
-    return CommonSettings(
+def settings(nats_url: str, database_url: str, run_id: str, tmp_path_factory) -> Iterator[CommonSettings]:
+    """Settings every service of this run shares: own subject prefix and events stream. At the end of the
+    run every events stream it made (`PDS_EVENTS_<run_id>…`) is deleted, so a long-lived server (CI's)
+    does not keep one per run."""
+    yield CommonSettings(
         nats_url=nats_url,
         database_url=database_url,
         subject_prefix=f"t{run_id}",
         events_stream=f"PDS_EVENTS_{run_id}",
         var_dir=tmp_path_factory.mktemp("var"),
     )
+    asyncio.run(_delete_streams(nats_url, f"PDS_EVENTS_{run_id}"))
+
+
+async def _delete_streams(nats_url: str, name_prefix: str) -> None:
+    import nats
+
+    nc = await nats.connect(nats_url)
+    try:
+        js = nc.jetstream()
+        for info in await js.streams_info():
+            if info.config.name.startswith(name_prefix):
+                await js.delete_stream(info.config.name)
+    finally:
+        await nc.close()
 
 
 @pytest.fixture(scope="session")
