@@ -142,9 +142,10 @@ class Recorder:
                     self._ahead = msgs  # kept from redelivery too while the batches before wait out Postgres
                     await committing.pop(0)
                     self._ahead = []
-                slot = (self._slot + 1) % 2  # the connection of the batch before the one still in flight
-                self._slot = slot
-                after = committing[-1] if committing else None
+                after = committing[-1] if committing and not committing[-1].done() else None
+                if after is not None:  # overlap on the other connection; a second one only under a
+                    self._slot = 1 - self._slot  # backlog (a fresh Postgres backend starts slow)
+                slot = self._slot
                 committing.append(asyncio.ensure_future(
                     self._commit_until_done(batch, puller.buffered, stop, slot, after)))
         finally:
