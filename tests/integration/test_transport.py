@@ -201,3 +201,25 @@ async def test_a_chunk_of_several_pieces_lands_whole_and_a_flipped_piece_is_caug
     assert torch.equal(dst_good[0], layer_kv(3, 0, tokens))
     with pytest.raises(ChecksumMismatchError):
         await in_bad.wait(30)
+
+
+async def test_a_burst_of_more_layers_than_posted_control_receives_lands_and_a_bad_one_is_caught(
+        pair: Pair) -> None:
+    # A prefill worker fires every layer's send without waiting; ucxx keeps 64 control receives posted,
+    # so 100 headers at once must also go through UCX's unexpected queue, in order, without loss.
+    num_layers, chunk_tokens = 100, 8
+    tid, seed = new_id(), 31
+    dst = buffers(num_layers, chunk_tokens)
+    inbound = pair.receiver.expect(tid, dst)
+    sent = await pair.send(SendPlan(pair.endpoint, tid, num_layers, 1, chunk_tokens, seed, burst=True))
+    stats = await inbound.wait(20)
+    assert (stats.kv_bytes, stats.num_layers) == (sent, num_layers)
+    for layer in range(num_layers):
+        assert torch.equal(dst[layer], layer_kv(seed, layer, chunk_tokens))
+    bad = new_id()
+    inbound = pair.receiver.expect(bad, buffers(num_layers, chunk_tokens))
+    await pair.send(SendPlan(pair.endpoint, bad, num_layers, 1, chunk_tokens, seed,
+                             corrupt=frozenset({(57, 0)}), burst=True))
+    with pytest.raises(ChecksumMismatchError) as err:
+        await inbound.wait(20)
+    assert (err.value.layer, err.value.chunk) == (57, 0)

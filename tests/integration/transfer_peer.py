@@ -21,7 +21,8 @@ from pdserve.messages import KVEndpoint
 class SendPlan:
     """One transfer to send: `num_layers` × `num_chunks` chunks of `chunk_tokens` rows each.
     `corrupt` names (layer, chunk) pairs to flip a byte in; `finish=False` leaves out the end marker;
-    `from_thread` sends through `send_layer_threadsafe` from a worker thread, as a torch forward would."""
+    `from_thread` sends through `send_layer_threadsafe` from a worker thread, as a torch forward would;
+    `burst` fires every chunk's send without waiting for the previous one (prefill's layer-wise mode)."""
 
     endpoint: KVEndpoint
     transfer_id: str
@@ -33,6 +34,7 @@ class SendPlan:
     finish: bool = True
     from_thread: bool = False
     traceparent: str | None = None
+    burst: bool = False  # fire every send at once and the end marker with them, as `OutboundKV` does
 
 
 def layer_kv(seed: int, layer: int, num_tokens: int, num_kv_heads: int = 2,
@@ -46,7 +48,7 @@ async def send_plan(transport, plan: SendPlan) -> int:
     """Send every chunk of `plan` layer by layer, chunk by chunk; returns payload bytes sent."""
     total = plan.num_chunks * plan.chunk_tokens
     kv = [layer_kv(plan.seed, layer, total) for layer in range(plan.num_layers)]
-    sent = 0
+    sent, burst = 0, []
     for chunk in range(plan.num_chunks):
         start = chunk * plan.chunk_tokens
         for layer in range(plan.num_layers):
@@ -54,13 +56,18 @@ async def send_plan(transport, plan: SendPlan) -> int:
             if (layer, chunk) in plan.corrupt:
                 transport.corrupt_next += 1
             args = (plan.endpoint, plan.transfer_id, layer, chunk, start, data, plan.traceparent)
-            if plan.from_thread:
+            if plan.burst:
+                # Started now (corrupt_next is taken by the send it was meant for), awaited below.
+                burst.append(asyncio.ensure_future(transport.send_layer(*args)))
+                await asyncio.sleep(0)
+            elif plan.from_thread:
                 sent += await asyncio.to_thread(lambda a=args: transport.send_layer_threadsafe(*a).result())
             else:
                 sent += await transport.send_layer(*args)
-    if plan.finish:
-        await transport.finish(plan.endpoint, plan.transfer_id, plan.num_layers, plan.num_chunks)
-    return sent
+    finish = (transport.finish(plan.endpoint, plan.transfer_id, plan.num_layers, plan.num_chunks)
+              if plan.finish else asyncio.sleep(0))
+    *sizes, _ = await asyncio.gather(*burst, finish)
+    return sent + sum(sizes)
 
 
 def run_sender(kind: str, conn: Connection, env: dict[str, str] | None = None) -> None:
