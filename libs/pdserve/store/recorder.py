@@ -5,11 +5,12 @@ events (`BatchPuller`: waiting at most `settings.fetch_timeout_s` for a first ev
 batch to fill; the next batch is already requested while this one commits). Each batch is one
 transaction: the events are inserted (COPY; redeliveries skipped by event_id), the events actually
 inserted are folded into their requests' projection rows (`rows.project`, in stream order, one upsert
-statement). Two batches' transactions overlap, on two connections: a batch's COPY runs while the batch
-before folds and commits, and it folds only after that commit (so both see each request's rows in stream
-order). Messages are acked only after their batch's commit. When Postgres is unreachable nothing is acked: the
-batch is retried with exponential backoff while later events wait in JetStream. So "Postgres holds every
-event published so far" is exactly "the recorder's consumer has nothing pending or unacked" (`caught_up`).
+statement). Under a backlog (full batches) two batches' transactions overlap, on two connections: a
+batch's COPY runs while the batch before folds and commits, and it folds only after that commit (so both
+see each request's rows in stream order). Messages are acked only after their batch's commit. When
+Postgres is unreachable nothing is acked: the batch is retried with exponential backoff while later
+events wait in JetStream. So "Postgres holds every event published so far" is exactly "the recorder's
+consumer has nothing pending or unacked" (`caught_up`).
 
 Acks are explicit, one per message. `AckPolicy.ALL` (ack only a batch's last message) was measured and
 rejected: no throughput difference within this machine's noise (docs/benchmarks/events.md), and it is
@@ -110,9 +111,10 @@ class Recorder:
         waited out.
 
         Pipelined: batch N+1 is pulled and parsed while batch N's transaction runs in Postgres (the two
-        use different cores), and N+1's transaction (on the other of two connections) starts at once: its
-        COPY runs while N's projection and commit do; N+1 folds its requests' rows only once N has
-        committed (`_write`), so commits, projections and acks stay in batch order."""
+        use different cores); if N+1 is full (a backlog), its transaction, on the other of two
+        connections, starts at once: its COPY runs while N's projection and commit do; N+1 folds its
+        requests' rows only once N has committed (`_write`), so commits, projections and acks stay in
+        batch order."""
         await self._ensure_consumer()
         puller = BatchPuller(self.bus.nc, self.settings.events_stream, self.durable, self.settings.batch_size)
         await puller.start()
@@ -143,8 +145,15 @@ class Recorder:
                     await committing.pop(0)
                     self._ahead = []
                 after = committing[-1] if committing and not committing[-1].done() else None
-                if after is not None:  # overlap on the other connection; a second one only under a
-                    self._slot = 1 - self._slot  # backlog (a fresh Postgres backend starts slow)
+                if after is not None and len(msgs) < self.settings.batch_size:
+                    # No backlog (the batch is not full): no overlap, so at serving rates the recorder
+                    # works as one connection, one transaction at a time.
+                    self._ahead = msgs
+                    await after
+                    self._ahead = []
+                    after = None
+                if after is not None:  # a backlog: overlap it on the other connection
+                    self._slot = 1 - self._slot
                 slot = self._slot
                 committing.append(asyncio.ensure_future(
                     self._commit_until_done(batch, puller.buffered, stop, slot, after)))
