@@ -335,7 +335,9 @@ def combine_rounds(rounds: list[list[Row]]) -> list[Row]:
         same = [next(r for r in rnd if (r.method, r.size_mib) == key) for rnd in rounds]
         base = [{r.method: r.gbps_median for r in rnd if r.size_mib == first.size_mib} for rnd in rounds]
 
-        def ratio(to: str, rows=same, base=base) -> float:
+        def ratio(to: str, rows=same, base=base) -> float | None:  # None when `to` was not measured
+            if any(to not in b for b in base):
+                return None
             return med(r.gbps_median / b[to] for r, b in zip(rows, base, strict=True))
 
         ucxx = first.method.startswith(("ucxx", "bare ucxx"))
