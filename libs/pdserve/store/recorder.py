@@ -74,12 +74,12 @@ ACK, NAK, TERM, IN_PROGRESS = b"+ACK", b"-NAK", b"+TERM", b"+WPI"
 # the driver connection) raise it: the batch waits and is retried. Any other error is a bug.
 _DB_DOWN = (DBAPIError, InterfaceError, OSError, asyncio.TimeoutError, asyncpg.InterfaceError,
             asyncpg.PostgresConnectionError, asyncpg.exceptions.OperatorInterventionError)
-class _Stopped(Exception):  # noqa: N818 (a signal, not an error)
-    """The batch before was handed back (stopping) instead of committed: roll this one back too."""
-
-
 EVENTS_PKEY = "events_pkey"  # the events table's primary key (event_id), as Postgres names it
 Inserter = Callable[[asyncpg.Connection, Sequence[tuple[Any, ...]]], Awaitable[set[int]]]
+
+
+class _Stopped(Exception):  # noqa: N818 (a signal, not an error)
+    """The batch before was handed back (stopping) instead of committed: roll this one back too."""
 
 
 class Recorder:
