@@ -259,8 +259,9 @@ def test_client_disconnect_in_each_phase_returns_every_block(stack, free_kv, lon
         event_types(stack.url, box[0], "RequestAborted")
     finally:
         filler.close()  # decode: gone while tokens stream
-    # Route / reserve / prefill / transfer: gone a few milliseconds in, at a different point each time.
+    # Route / reserve / prefill / transfer: gone a few milliseconds in, at a different point each time
+    # (1000 tokens to generate: the whole answer never comes back within the client's timeout).
     for delay_s in (0.005, 0.02, 0.05, 0.1, 0.2):
         with pytest.raises(httpx.TimeoutException):
-            complete(stack.url, "Once upon a time " * 40, 64, timeout_s=delay_s)
+            complete(stack.url, "Once upon a time " * 40, 1000, timeout_s=delay_s)
     assert free_kv.wait_back_to(start) == start
