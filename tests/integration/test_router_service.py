@@ -8,7 +8,7 @@ from collections.abc import AsyncIterator
 
 import pytest
 
-from pdserve.bus import Bus
+from pdserve.bus import Bus, RejectedError
 from pdserve.config import CommonSettings, RouterSettings
 from pdserve.engine.block_hash import hash_blocks
 from pdserve.events import PrefillCompleted
@@ -94,12 +94,19 @@ async def test_with_no_live_prefill_worker_the_router_places_the_prefill_on_the_
     settings: CommonSettings,
 ):
     """A router whose only live worker is a decode worker answers `local` (the decode worker prefills
-    itself) instead of rejecting the request with NO_WORKERS."""
+    itself) instead of rejecting the request with NO_WORKERS — once it has been up a whole liveness
+    window, so that no live prefill worker can still be unheard."""
     b = await Bus.connect(
         settings.model_copy(update={"subject_prefix": settings.subject_prefix + "rtlocal"}), "test"
     )
-    cleanup = await setup(b, RouterSettings(**b.settings.model_dump()))
+    cleanup = await setup(b, RouterSettings(**b.settings.model_dump(), heartbeat_timeout_s=0.5))
     try:
+        await publish_idle_heartbeat(b, "d0", Role.DECODE)
+        await b.nc.flush()
+        await asyncio.sleep(0.05)
+        with pytest.raises(RejectedError):  # just started: a prefill worker may not have been heard yet
+            await route(b, "r-early")
+        await asyncio.sleep(0.5)
         await publish_idle_heartbeat(b, "d0", Role.DECODE)
         await b.nc.flush()
         await asyncio.sleep(0.05)

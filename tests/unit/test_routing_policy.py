@@ -238,7 +238,9 @@ def test_local_prefill_counts_what_the_decode_worker_has_cached():
 def test_incompatible_workers_are_never_paired_and_reported_once():
     """d0 cannot take p0's KV: it is reported (once per descriptor, not per heartbeat) and prefills for
     itself rather than being paired with p0; a compatible peer ends the report."""
-    p = Placer(RouterSettings())
+    now = [0.0]
+    p = Placer(RouterSettings(), clock=lambda: now[0])
+    now[0] = 10.0  # past the router's first liveness window: every live worker has been heard
     assert p.observe_heartbeat(hb("p0", Role.PREFILL)) is None  # no decode worker yet: nothing to match
     odd = DESC.model_copy(update={"block_size": 32})
     report = p.observe_heartbeat(hb("d0", Role.DECODE, descriptor=odd))
@@ -250,6 +252,20 @@ def test_incompatible_workers_are_never_paired_and_reported_once():
     assert p.observe_heartbeat(hb("p1", Role.PREFILL, descriptor=odd)) is None  # p1 matches d0
     assert p.observe_heartbeat(hb("d0", Role.DECODE, descriptor=odd)) is None
     assert p.observe_heartbeat(hb("p0", Role.PREFILL)).differences == {"block_size": ("16", "32")}
+
+
+def test_a_router_just_started_waits_for_prefill_workers_instead_of_prefilling_on_decode():
+    """Within its first liveness window a router has maybe not heard every live worker: with only a decode
+    worker heard it answers NO_WORKERS (the coordinator retries), not `local`."""
+    now = [0.0]
+    p = Placer(RouterSettings(heartbeat_timeout_s=3.0), clock=lambda: now[0])
+    p.observe_heartbeat(hb("d0", Role.DECODE))
+    with pytest.raises(RejectedError) as e:
+        p.route(req("r1", PROMPT))
+    assert e.value.code is RejectCode.NO_WORKERS
+    now[0] = 1.0
+    p.observe_heartbeat(hb("p0", Role.PREFILL))  # heard within the window
+    assert p.route(req("r2", PROMPT)).mode == "disaggregated"
 
 
 def test_with_no_live_prefill_worker_the_decode_worker_prefills_itself():

@@ -63,6 +63,8 @@ class Placer:
         self.index = KVIndex(settings.kv_index_ttl_s, clock)
         self.load = ActiveLoad(settings.booking_max_age_s, clock, settings.balance_window_requests)
         self._reported: dict[str, CompatibilityDescriptor] = {}  # workers reported as matching no peer
+        self.clock = clock
+        self._started = clock()
 
     # ------------------------------------------------------------ inputs
 
@@ -164,6 +166,11 @@ class Placer:
             chosen = u_cands[self.policy.select(u_cands)]
             desc = unified[u_cands.index(chosen)].heartbeat.descriptor
             return self._decide(req, "colocated", chosen, chosen, u_cands, [u_cands], desc, hashes_for(desc))
+        if decode and self.clock() - self._started < self.settings.heartbeat_timeout_s:
+            # Not yet a whole liveness window since this router started: a prefill worker that is up may
+            # just not have been heard yet. Wait for it (the coordinator retries) rather than prefill on a
+            # decode worker.
+            raise RejectedError(RejectCode.NO_WORKERS, "no prefill worker heard yet since the router started")
         if decode:  # no live compatible prefill worker: a decode worker prefills itself
             d_state, d_cand, d_cands = self._decode_worker(decode, n, hashes_for)
             desc = d_state.heartbeat.descriptor
