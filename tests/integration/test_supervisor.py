@@ -9,8 +9,10 @@ from __future__ import annotations
 
 import asyncio
 import json
+import os
 import textwrap
-from collections.abc import Awaitable, Callable
+import uuid
+from collections.abc import Awaitable, Callable, Iterator
 from pathlib import Path
 
 import asyncpg
@@ -154,45 +156,41 @@ async def test_supervisor_runs_embedded_servers_migrates_restarts_a_dead_child_a
     assert (var_dir / "log" / "decode-0.log").exists()
 
 
-async def test_supervisor_uses_given_servers_and_creates_the_database_if_absent(
-    tmp_path: Path,
-    stand_in: list[ServiceSpec],
-    monkeypatch: pytest.MonkeyPatch,
-    nats_url: str,
-    postgres_admin_url: str,
-    run_id: str,
-) -> None:
-    name = f"pdserve_stack_{run_id}"
+@pytest.fixture
+def given_servers(
+    monkeypatch: pytest.MonkeyPatch, nats_url: str, postgres_admin_url: str, run_id: str
+) -> Iterator[str]:
+    """`PDS_NATS_URL` / `PDS_DATABASE_URL` set to the test run's servers, with a database of this test's
+    own that does not exist yet (dropped afterwards). Yields the database URL."""
+    from pdserve.store.migrate import drop_database
+
+    name = f"pdserve_stack_{run_id}_{uuid.uuid4().hex[:6]}"
     database_url = make_url(postgres_admin_url).set(database=name).render_as_string(hide_password=False)
     monkeypatch.setenv("PDS_NATS_URL", nats_url)
     monkeypatch.setenv("PDS_DATABASE_URL", database_url)
-    try:
-        state, runs = await run_stack(tmp_path / "var", stand_in[:1])
-        assert state.servers == {}
-        assert state.nats_url == nats_url and state.database_url == database_url
-        assert runs["decode-0"][1]["PDS_DATABASE_URL"] == database_url
-        assert "alembic_version" in await table_names(database_url)  # migrated, not just created
-        nc = await nats.connect(nats_url)  # the given server is left running
-        await nc.close()
-    finally:
-        from pdserve.store.migrate import drop_database
+    yield database_url
+    drop_database(postgres_admin_url, name)
 
-        drop_database(postgres_admin_url, name)
+
+async def test_supervisor_uses_given_servers_and_creates_the_database_if_absent(
+    tmp_path: Path, stand_in: list[ServiceSpec], given_servers: str, nats_url: str
+) -> None:
+    database_url = given_servers
+    state, runs = await run_stack(tmp_path / "var", stand_in[:1])
+    assert state.servers == {}
+    assert state.nats_url == nats_url and state.database_url == database_url
+    assert runs["decode-0"][1]["PDS_DATABASE_URL"] == database_url
+    assert "alembic_version" in await table_names(database_url)  # migrated, not just created
+    nc = await nats.connect(nats_url)  # the given server is left running
+    await nc.close()
 
 
 async def test_a_child_gone_before_its_pid_is_recorded_is_still_restarted(
-    tmp_path: Path,
-    stand_in: list[ServiceSpec],
-    monkeypatch: pytest.MonkeyPatch,
-    nats_url: str,
-    postgres_admin_url: str,
-    run_id: str,
+    tmp_path: Path, stand_in: list[ServiceSpec], monkeypatch: pytest.MonkeyPatch, given_servers: str
 ) -> None:
     """The stand-in's first run exits at once; when it is reaped before the supervisor reads its creation
     time (psutil.NoSuchProcess — a race that a loaded machine wins), the supervisor still waits for its exit
     and restarts it, instead of losing the service."""
-    import os
-
     from pdserve.process import ProcessRef
 
     original, children = ProcessRef.of, []
@@ -204,15 +202,6 @@ async def test_a_child_gone_before_its_pid_is_recorded_is_still_restarted(
                 raise psutil.NoSuchProcess(pid)
         return original(pid)
 
-    name = f"pdserve_gone_{run_id}"
-    database_url = make_url(postgres_admin_url).set(database=name).render_as_string(hide_password=False)
-    monkeypatch.setenv("PDS_NATS_URL", nats_url)
-    monkeypatch.setenv("PDS_DATABASE_URL", database_url)
     monkeypatch.setattr(ProcessRef, "of", staticmethod(gone_on_first_child))
-    try:
-        _, runs = await run_stack(tmp_path / "var", stand_in[:1])
-        assert len(children) >= 2 and len(runs["decode-0"]) == 2
-    finally:
-        from pdserve.store.migrate import drop_database
-
-        drop_database(postgres_admin_url, name)
+    _, runs = await run_stack(tmp_path / "var", stand_in[:1])
+    assert len(children) >= 2 and len(runs["decode-0"]) == 2
