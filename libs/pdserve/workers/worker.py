@@ -271,17 +271,12 @@ class Worker:
             prefill_s = time.perf_counter() - t0
             cached = seq.num_cached_tokens
             kv_bytes = outbound.kv_bytes if outbound is not None else 0
+            # What the event and the reply share (the reply's kv_bytes: once every send is delivered).
+            outcome = dict(transfer_id=req.transfer_id, first_token_id=first_token, num_cached_tokens=cached,
+                           num_computed_tokens=num_prompt - cached, prefill_s=prefill_s)
             await self.bus.emit(
                 req.request_id,
-                PrefillCompleted(
-                    prefill_worker_id=self.worker_id,
-                    transfer_id=req.transfer_id,
-                    first_token_id=first_token,
-                    num_cached_tokens=cached,
-                    num_computed_tokens=num_prompt - cached,
-                    kv_bytes=kv_bytes,
-                    prefill_s=prefill_s,
-                ),
+                PrefillCompleted(prefill_worker_id=self.worker_id, kv_bytes=kv_bytes, **outcome),
                 self.worker_id,
             )
             span.set_attribute("pdserve.num_cached_tokens", cached)
@@ -290,14 +285,7 @@ class Worker:
                 self.prefilling.pop(req.request_id, None)
                 kv_bytes = await outbound.complete(self.loaded.config.num_layers, seq.num_chunks_sent)
         return PrefillResult(
-            request_id=req.request_id,
-            transfer_id=req.transfer_id,
-            first_token_id=first_token,
-            num_cached_tokens=cached,
-            num_computed_tokens=num_prompt - cached,
-            kv_bytes=kv_bytes,
-            prefill_s=prefill_s,
-            first_token_logprobs=first_logprobs,
+            request_id=req.request_id, kv_bytes=kv_bytes, first_token_logprobs=first_logprobs, **outcome
         )
 
     def _inject_faults(self) -> None:
