@@ -23,6 +23,7 @@ from sqlalchemy.exc import DBAPIError
 from pdserve.cli import routing_replay
 from pdserve.config import CommonSettings
 from pdserve.events import SCHEMA_VERSION
+from pdserve.ids import request_id_of
 from pdserve.stack_state import read_state
 from pdserve.store.queries import (
     lifecycle_records,
@@ -196,7 +197,9 @@ def add_parsers(subparsers: argparse._SubParsersAction) -> None:
     p = subparsers.add_parser(
         "replay",
         help="Rebuild the requests projection from the event log, or print one request's lifecycle.")
-    p.add_argument("--request", metavar="ID", help="Print this request's events in stream order instead.")
+    p.add_argument("--request", metavar="ID", type=request_id_of,
+                   help="Print this request's events in stream order instead (the request id, or the "
+                   "response body's id).")
     p.add_argument("--since", type=parse_since, default=None,
                    help="Only requests (or, with --request, events) at or after this time: ISO 8601 "
                         "(UTC without an offset) or an age such as 15m, 2h, 1d.")

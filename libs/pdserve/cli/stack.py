@@ -1,8 +1,9 @@
 """`pdserve up | down | status | logs | migrate`: run the whole stack on this machine (DESIGN §7).
 
 `up` starts `python -m pdserve.supervisor` detached (its own session, so it outlives the shell) and returns
-once the gateway's GET /health answers 200; the supervisor records the stack in var/run/stack.json, which
-the other commands read.
+once the gateway's GET /health answers 200 and every worker heartbeats (so the first request is placed at
+once, not after the workers finish loading the model); the supervisor records the stack in
+var/run/stack.json, which the other commands read.
 """
 
 from __future__ import annotations
@@ -19,13 +20,17 @@ import httpx
 from rich.console import Console
 from rich.table import Table
 
+from pdserve.cli.readiness import heartbeating
+from pdserve.config import CommonSettings
 from pdserve.embedded import port_is_free
+from pdserve.messages import Subjects
 from pdserve.process import is_alive, stop_process
 from pdserve.service_plan import MODELS, MODES
 from pdserve.stack_state import StackState, read_state, remove_state
 
 console = Console(highlight=False, soft_wrap=True)  # long URLs and paths stay on one line
 _TAIL_LINES = 25
+WORKER_ROLES = ("prefill", "decode", "unified")
 
 
 def _var_dir(args: argparse.Namespace) -> Path:
@@ -114,7 +119,12 @@ def _wait_until_serving(proc: subprocess.Popen, var_dir: Path, supervisor_log: P
                 detail = f"{alive}/{len(state.services)} processes up" if state.services else ""
                 spinner.update(f"{state.phase} {detail} ({time.monotonic() - started:.0f} s)")
                 if state.phase == "running" and gateway_healthy(state.gateway_url):
-                    break
+                    workers = {n for n, s in state.services.items() if s.role in WORKER_ROLES}
+                    spinner.update(f"waiting for {len(workers)} workers' heartbeats "
+                                   f"({time.monotonic() - started:.0f} s)")
+                    subjects = Subjects(CommonSettings().subject_prefix)
+                    if heartbeating(state.nats_url, subjects, workers) >= workers:
+                        break
             time.sleep(0.5)
         else:
             _report_timeout(state, var_dir, supervisor_log, timeout_s)

@@ -12,6 +12,7 @@ from rich.console import Console
 from rich.table import Table
 from rich.text import Text
 
+from pdserve.ids import request_id_of
 from pdserve.telemetry.spans import SpanRecord, load_spans, services_seen, spans_of_request, trace_ids
 from pdserve.telemetry.waterfall import Waterfall, WaterfallRow, bar_cells, build_tree, layout, ttft_breakdown
 
@@ -21,7 +22,8 @@ _PALETTE = ("cyan", "magenta", "green", "yellow", "blue", "bright_red", "bright_
 def add_parsers(subparsers: argparse._SubParsersAction) -> None:
     p = subparsers.add_parser(
         "trace", help="Print one request's trace as a waterfall with its TTFT breakdown.")
-    p.add_argument("request_id", help="The request id (UUIDv7) the gateway assigned.")
+    p.add_argument("request_id", type=request_id_of,
+                   help="The request id (UUIDv7) the gateway assigned, or the response body's id.")
     p.add_argument("--var-dir", type=Path, default=None,
                    help="Folder holding traces/ (default: $PDS_VAR_DIR, else ./var; a var/run/stack.json "
                         "written by `pdserve up` that names another var_dir wins over the default).")
