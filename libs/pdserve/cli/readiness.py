@@ -19,8 +19,9 @@ def heartbeating(
     async def listen() -> set[str]:
         heard: set[str] = set()
         try:
-            nc = await nats.connect(
-                nats_url, connect_timeout=1, max_reconnect_attempts=0, allow_reconnect=False
+            nc = await asyncio.wait_for(  # nats-py retries a refused first connect on its own
+                nats.connect(nats_url, connect_timeout=1, max_reconnect_attempts=0, allow_reconnect=False),
+                timeout=window_s,
             )
         except Exception:  # not up yet (or gone): nobody heard
             return heard
