@@ -77,8 +77,9 @@ def _ucx_context():
     """The process-wide ucxx context, created on first use on the running event loop."""
     global _context
     if _context is None:
-        # ucxx sets UCX_MEMTYPE_CACHE, which this CPU build of UCX does not know and would warn about.
-        os.environ.setdefault("UCX_WARN_UNUSED_ENV_VARS", "n")
+        # ucxx sets UCX_MEMTYPE_CACHE at import, a setting for CUDA memory; pdserve's KV is host memory,
+        # and this CPU build of UCX does not know the variable and warned about it at every start.
+        os.environ.pop("UCX_MEMTYPE_CACHE", None)
         from ucxx._lib_async import ApplicationContext
 
         _context = ApplicationContext(
