@@ -14,13 +14,12 @@ import asyncio
 import os
 from pathlib import Path
 
-from rich.console import Console
-
 from pdserve.bench.datasets import DATASETS
 from pdserve.bench.metrics import parse_goodput
+from pdserve.cli.output import make_console
 from pdserve.stack_state import read_state
 
-console = Console(highlight=False, soft_wrap=True)
+console = make_console(soft_wrap=True)
 
 
 def _database_url(args: argparse.Namespace) -> str | None:

@@ -16,11 +16,11 @@ from datetime import UTC, datetime, timedelta
 from pathlib import Path
 from typing import Any
 
-from rich.console import Console
 from rich.table import Table
 from sqlalchemy.exc import DBAPIError
 
 from pdserve.cli import routing_replay
+from pdserve.cli.output import make_console
 from pdserve.config import CommonSettings
 from pdserve.events import SCHEMA_VERSION
 from pdserve.ids import request_id_of
@@ -34,7 +34,7 @@ from pdserve.store.queries import (
 )
 from pdserve.store.rows import RecordedEvent
 
-console = Console(highlight=False)
+console = make_console()
 
 # The payload fields worth a column's glance, per event type; unknown types show their scalar fields.
 KEY_FIELDS: dict[str, tuple[str, ...]] = {

@@ -15,16 +15,16 @@ from dataclasses import asdict
 from datetime import datetime
 from pathlib import Path
 
-from rich.console import Console
 from rich.table import Table
 from sqlalchemy.exc import DBAPIError
 
+from pdserve.cli.output import make_console
 from pdserve.cli.replay import parse_since, resolve_database_url
 from pdserve.routing.log import routed_requests
 from pdserve.routing.report import RoutingReport, summarize
 from pdserve.store.queries import make_engine
 
-console = Console(highlight=False)
+console = make_console()
 
 
 async def load_report(url: str, since: datetime | None, until: datetime | None) -> RoutingReport:

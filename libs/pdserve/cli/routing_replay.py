@@ -8,9 +8,9 @@ import argparse
 import asyncio
 from datetime import datetime
 
-from rich.console import Console
 from rich.table import Table
 
+from pdserve.cli.output import make_console
 from pdserve.config import RouterSettings
 from pdserve.routing.log import routed_requests
 from pdserve.routing.policy import POLICY_NAMES
@@ -18,7 +18,7 @@ from pdserve.routing.replay import logged_config, replay_routing
 from pdserve.routing.report import RoutedRequest, summarize
 from pdserve.store.queries import make_engine
 
-console = Console(highlight=False)
+console = make_console()
 WEIGHT_KEYS = {
     "overlap": "overlap_score_weight",
     "temperature": "temperature",

@@ -17,9 +17,9 @@ import time
 from pathlib import Path
 
 import httpx
-from rich.console import Console
 from rich.table import Table
 
+from pdserve.cli.output import make_console
 from pdserve.cli.readiness import heartbeating
 from pdserve.config import CommonSettings
 from pdserve.embedded import port_is_free
@@ -28,7 +28,7 @@ from pdserve.process import is_alive, stop_process
 from pdserve.service_plan import MODELS, MODES
 from pdserve.stack_state import StackState, read_state, remove_state
 
-console = Console(highlight=False, soft_wrap=True)  # long URLs and paths stay on one line
+console = make_console(soft_wrap=True)  # long URLs and paths stay on one line
 _TAIL_LINES = 25
 WORKER_ROLES = ("prefill", "decode", "unified")
 

@@ -12,6 +12,7 @@ from rich.console import Console
 from rich.table import Table
 from rich.text import Text
 
+from pdserve.cli.output import make_console
 from pdserve.ids import request_id_of
 from pdserve.telemetry.spans import SpanRecord, load_spans, services_seen, spans_of_request, trace_ids
 from pdserve.telemetry.waterfall import Waterfall, WaterfallRow, bar_cells, build_tree, layout, ttft_breakdown
@@ -118,7 +119,7 @@ def _render_ttft(console: Console, spans: list[SpanRecord]) -> None:
 
 def run(args: argparse.Namespace, console: Console | None = None) -> int:
     """Print the waterfall of `args.request_id`. Returns 0, or 1 when no span carries that id."""
-    console = console or Console()
+    console = console or make_console()
     trace_dir = resolve_var_dir(args.var_dir) / "traces"
     loaded = load_spans(trace_dir)
     spans = spans_of_request(loaded.spans, args.request_id)
