@@ -241,7 +241,8 @@ class Worker:
             seq.stop_after_prefill = seq.free_after_prefill = True
             seq.num_sent_tokens = req.decode_num_cached_tokens
             self._inject_faults()
-            outbound = OutboundKV(self.transport, req, naive=self.settings.kv_transfer_mode == "naive")
+            outbound = OutboundKV(self.transport, req, self.loaded.config.num_layers,
+                                  naive=self.settings.kv_transfer_mode == "naive")
             seq.kv_sink = outbound.on_layer
             first = self.loop.expect_prefill(req.request_id)
             async with self.compute:
@@ -283,7 +284,7 @@ class Worker:
             if outbound is not None:  # (a local prefill's cache lookup was counted at its reservation)
                 self._count_prefix_cache(num_prompt, cached)
                 self.prefilling.pop(req.request_id, None)
-                kv_bytes = await outbound.complete(self.loaded.config.num_layers, seq.num_chunks_sent)
+                kv_bytes = await outbound.complete(seq.num_chunks_sent)
         return PrefillResult(
             request_id=req.request_id, kv_bytes=kv_bytes, first_token_logprobs=first_logprobs, **outcome
         )
