@@ -486,10 +486,10 @@ the socket and acking it is about the bare consumer's own figure, the rest is va
 target's 20,000 events/s the three processes need 20,000 × {cpu_sum:.0f} µs = {0.02 * cpu_sum:.1f} of
 the machine's 2 cores, which they share with the other sessions' work, and the recorder, one Python
 thread, tops out at {1e6 / cpu['recorder']:,.0f} events/s with a whole core to itself: the sustained figure
-therefore moves with the load average in the table. At serving rates (a few hundred events/s, ≤ 20
-transactions/s, `LINGER_S`) the CPU per event is many times higher: each transaction's fixed round trips
-to Postgres and NATS (each a few slow syscalls on this VM) dominate, which is what the CPU share below
-measures.
+therefore moves with the load average in the table. At serving rates (a few hundred events/s, ≤ 4
+transactions/s: `PDS_LINGER_S`, 0.25 s) the CPU per event is many times higher: each transaction's fixed
+round trips to Postgres and NATS (each a few slow syscalls on this VM) dominate, which is what the CPU share
+below measures.
 
 Serving: tiny model, 1 prefill + 1 decode worker, {s['requests']} concurrent greedy completions of
 {s['max_tokens']} tokens per round; 3 warm-up rounds, then quartets on/off/off/on and off/on/on/off
@@ -497,7 +497,8 @@ alternately (the recorder stopped with SIGTERM for "off", events waiting in JetS
 up before an "on" round). The machine has 2 cores shared by every process of the stack and by the other
 sessions' work, so single rounds vary by ±30%; the quartet ratios show that spread. The recorder's CPU
 share bounds what recording itself takes from serving (Postgres's commit work comes on top: one
-transaction per ≤ 50 ms of events, `LINGER_S`).
+transaction per ≤ 250 ms of events, `PDS_LINGER_S`; at 50 ms this benchmark measured 95% instead of
+97-98%).
 
 ## Durability decision
 

@@ -1,8 +1,8 @@
 """The recorder: JetStream events stream → Postgres, the only writer of the event store (DESIGN §4).
 
 A durable pull consumer on `settings.events_stream` is read in batches of up to `settings.batch_size`
-events (`BatchPuller`: waiting at most `settings.fetch_timeout_s` for a first event, then `LINGER_S` for the
-batch to fill; the next batch is already requested while this one commits). Each batch is one
+events (`BatchPuller`: waiting at most `settings.fetch_timeout_s` for a first event, then `settings.linger_s`
+for the batch to fill; the next batch is already requested while this one commits). Each batch is one
 transaction: the events are inserted (COPY; redeliveries skipped by event_id), the events actually
 inserted are folded into their requests' projection rows (`rows.project`, in stream order, one upsert
 statement). Under a backlog (full batches) two batches' transactions overlap, on two connections: a
@@ -52,10 +52,9 @@ CONSUMER_CHECK_S = 5.0  # idle this long → make sure the consumer still exists
 # outage is kept from redelivery by `in_progress` at every retry instead.
 ACK_WAIT_S = 10.0
 BACKOFF_S = (0.1, 5.0)  # first and longest wait between attempts to commit a batch
-# Longest wait for a batch to fill once its first event is in hand: under light load a pull returns one or
-# two events, and a transaction (an fsync) per couple of events competes with serving for the same 2
-# cores; lingering bounds commits to ~1/LINGER_S per second at the price of at most that much lag.
-LINGER_S = 0.05
+# `settings.linger_s`: under light load a pull returns one or two events, and a transaction (an fsync) per
+# couple of events competes with serving for the same 2 cores; lingering bounds commits to ~1/linger_s per
+# second at the price of at most that much lag.
 
 # pdserve:events_recorder_lag_seconds lives with every other metric name; the recorder sets it to the age
 # (seconds since JetStream stored it) of the oldest event not yet committed, 0 once caught up.
@@ -123,7 +122,7 @@ class Recorder:
         try:
             while not stop.is_set():
                 try:
-                    msgs = await puller.next_batch(self.settings.fetch_timeout_s, LINGER_S)
+                    msgs = await puller.next_batch(self.settings.fetch_timeout_s, self.settings.linger_s)
                     if not msgs and time.monotonic() - idle_since > self.consumer_check_s:
                         # A deleted stream or consumer looks exactly like an idle one to a pull.
                         idle_since = time.monotonic()
