@@ -161,7 +161,8 @@ class RecorderSettings(CommonSettings):
     batch_size: int = Field(500, description="Events fetched and written per transaction.")
     fetch_timeout_s: float = Field(0.2, description="Longest wait for a batch's first event.")
     linger_s: float = Field(
-        0.25, description="Longest wait, once a batch's first event is in, for the batch to fill. Bounds "
-        "transactions to ~1/linger_s per second under light load at the price of that much lag: 0.25 s "
-        "measured 97-98% serving throughput with recording against 95% at 0.05 s (issue 5, "
-        "benchmarks/events.py).")
+        0.25, description="Longest wait, once a batch's first event is in, for the batch to fill. Under "
+        "light load a pull returns one or two events, and a transaction (an fsync) per couple of events "
+        "competes with serving for the same cores: lingering bounds transactions to ~1/linger_s per "
+        "second at the price of that much lag. 0.25 s measured 97-98% serving throughput with recording "
+        "against 95% at 0.05 s (issue 5, benchmarks/events.py).")

@@ -52,9 +52,6 @@ CONSUMER_CHECK_S = 5.0  # idle this long → make sure the consumer still exists
 # outage is kept from redelivery by `in_progress` at every retry instead.
 ACK_WAIT_S = 10.0
 BACKOFF_S = (0.1, 5.0)  # first and longest wait between attempts to commit a batch
-# `settings.linger_s`: under light load a pull returns one or two events, and a transaction (an fsync) per
-# couple of events competes with serving for the same 2 cores; lingering bounds commits to ~1/linger_s per
-# second at the price of at most that much lag.
 
 # pdserve:events_recorder_lag_seconds lives with every other metric name; the recorder sets it to the age
 # (seconds since JetStream stored it) of the oldest event not yet committed, 0 once caught up.
