@@ -158,8 +158,11 @@ class Inbound:
         if self.expected_chunks is None:
             return
         num_layers, num_chunks = self.expected_chunks
-        wanted = {(layer, chunk) for layer in range(num_layers) for chunk in range(num_chunks)}
-        if wanted <= self.chunks_done:
+        # Counting first: checked at every verified chunk, building the wanted set each time was quadratic.
+        if len(self.chunks_done) < num_layers * num_chunks:
+            return
+        done = self.chunks_done
+        if all((layer, chunk) in done for layer in range(num_layers) for chunk in range(num_chunks)):
             stats = TransferStats(self.transfer_id, self.kv_bytes, num_layers, num_chunks,
                                   time.perf_counter() - self._t0)
             self._retire(InboundState.DONE, stats)
