@@ -15,6 +15,7 @@ from datetime import UTC, datetime
 import pytest
 import sqlalchemy as sa
 from prometheus_client import REGISTRY
+from sqlalchemy.util import await_only
 
 from pdserve.bus import Bus
 from pdserve.cli import replay
@@ -28,6 +29,7 @@ from pdserve.store.queries import (
     make_engine,
     rebuild_projections,
     request_row,
+    request_snapshot,
     unfinished_requests,
 )
 from pdserve.store.recorder import Recorder, caught_up
@@ -250,6 +252,34 @@ async def test_recording_resumes_after_its_consumer_is_deleted(bus, engine, reco
         await task
     assert [e.event_id for e in await lifecycle(engine, rid)] == [e.event_id for e in life]
     assert (await request_row(engine, rid))["state"] == "completed"
+
+
+async def test_a_request_read_while_its_events_commit_is_one_snapshot(bus, engine, recorder_settings):
+    """The recorder commits a batch's events and its projection row together; `GET /v1/requests/{id}`
+    and `pdserve replay --request` read both. Here the whole lifecycle commits between the reader's two
+    statements: read apart they gave a complete lifecycle beside no row (seen in a CI run once batches
+    lingered 0.25 s)."""
+    rid = new_id()
+    for event in full_lifecycle(rid):
+        await publish(bus, event)
+    reader = make_engine(engine.url.render_as_string(hide_password=False))
+    seen: list[str] = []
+
+    def commit_between(conn, cursor, statement, parameters, context, executemany) -> None:
+        seen.append(statement)
+        if "FROM events" in statement and not any("FROM events" in q for q in seen[:-1]):
+            # the row was read, the events are next: record the whole lifecycle now
+            await_only(record_all(bus, engine, recorder_settings))
+
+    sa.event.listen(reader.sync_engine, "before_cursor_execute", commit_between)
+    try:
+        row, records = await request_snapshot(reader, rid)
+    finally:
+        await reader.dispose()
+    assert [("FROM requests" in q, "FROM events" in q) for q in seen] == [(True, False), (False, True)]
+    assert (row, records) == (None, [])  # the snapshot predates the commit: neither half of it
+    row, records = await request_snapshot(engine, rid)
+    assert row is not None and row == fold(records) and row["state"] == "completed"
 
 
 async def test_unknown_or_malformed_request_ids_have_no_lifecycle(engine):

@@ -25,13 +25,7 @@ from pdserve.config import CommonSettings
 from pdserve.events import SCHEMA_VERSION
 from pdserve.ids import request_id_of
 from pdserve.stack_state import read_state
-from pdserve.store.queries import (
-    lifecycle_records,
-    make_engine,
-    rebuild_projections,
-    request_row,
-    state_counts,
-)
+from pdserve.store.queries import make_engine, rebuild_projections, request_snapshot, state_counts
 from pdserve.store.rows import RecordedEvent
 
 console = make_console()
@@ -147,8 +141,7 @@ def projection_summary(row: dict[str, Any]) -> str:
 async def _show_request(url: str, request_id: str, since: datetime | None) -> int:
     engine = make_engine(url)
     try:
-        records = await lifecycle_records(engine, request_id, since)
-        row = await request_row(engine, request_id)
+        row, records = await request_snapshot(engine, request_id, since)
     finally:
         await engine.dispose()
     if not records:

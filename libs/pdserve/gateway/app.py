@@ -223,13 +223,12 @@ async def read_lifecycle(state: GatewayState, request_id: str) -> dict[str, Any]
     if state.engine is None:
         raise APIError(503, "This gateway has no event store configured.", code="event_store_unavailable")
     try:
-        row = await queries.request_row(state.engine, request_id)
-        events = await queries.lifecycle(state.engine, request_id)
+        row, records = await queries.request_snapshot(state.engine, request_id)
     except Exception as e:  # Postgres down: serving goes on, only this read fails
         log.warning("event store read for %s failed: %s", request_id, e)
         raise APIError(503, f"The event store cannot be read now: {type(e).__name__}",
                        code="event_store_unavailable") from e
-    if row is None and not events:
+    if row is None and not records:
         raise APIError(404, f"No request with id `{request_id}` is recorded.", code="request_not_found",
                        param="request_id")
-    return jsonable_encoder({"request": row, "events": [e.model_dump(mode="json") for e in events]})
+    return jsonable_encoder({"request": row, "events": [r.event.model_dump(mode="json") for r in records]})
