@@ -13,7 +13,7 @@ import pytest
 import torch
 
 from pdserve.messages import PrefillRequest, SamplingParams
-from pdserve.transfer import KVTransport, TransferTimeout, make_transport
+from pdserve.transfer import Inbound, KVTransport, TransferTimeout, make_transport
 from pdserve.workers.kv_transfer import OutboundKV
 
 NUM_LAYERS, HEADS, HEAD_DIM = 3, 2, 8
@@ -44,8 +44,16 @@ def prefill_request(receiver: KVTransport) -> PrefillRequest:
                           endpoint=receiver.endpoint(), decode_num_cached_tokens=DECODE_CACHED)
 
 
-async def compute_prefill(outbound: OutboundKV) -> None:
-    """What the engine does: every layer of each prefill chunk in turn, from its own thread."""
+async def prefill(transports: tuple[KVTransport, KVTransport], naive: bool
+                  ) -> tuple[Inbound, OutboundKV, list[torch.Tensor]]:
+    """The decode side expects a transfer into staging rows, then the prefill side computes: every layer
+    of each prefill chunk in turn, handed to `OutboundKV` from the engine's own thread as the engine does.
+    `complete()` is left to the test."""
+    sender, receiver = transports
+    req = prefill_request(receiver)
+    staging = [torch.zeros(len(PROMPT) - DECODE_CACHED, 2, HEADS, HEAD_DIM) for _ in range(NUM_LAYERS)]
+    inbound = receiver.expect(req.transfer_id, staging)
+    outbound = OutboundKV(sender, req, NUM_LAYERS, naive=naive)
 
     def forward() -> None:
         for start in CHUNK_STARTS:
@@ -53,15 +61,11 @@ async def compute_prefill(outbound: OutboundKV) -> None:
                 outbound.on_layer(layer, start, rows(layer, start))
 
     await asyncio.to_thread(forward)
+    return inbound, outbound, staging
 
 
 async def test_layerwise_transfer_is_whole_before_the_prefill_completes(transports) -> None:
-    sender, receiver = transports
-    req = prefill_request(receiver)
-    staging = [torch.zeros(len(PROMPT) - DECODE_CACHED, 2, HEADS, HEAD_DIM) for _ in range(NUM_LAYERS)]
-    inbound = receiver.expect(req.transfer_id, staging)
-    outbound = OutboundKV(sender, req, NUM_LAYERS, naive=False)
-    await compute_prefill(outbound)
+    inbound, outbound, staging = await prefill(transports, naive=False)
 
     stats = await inbound.wait(10)  # complete() not called yet: the end marker went with the last layer
     assert (stats.num_layers, stats.num_chunks) == (NUM_LAYERS, len(CHUNK_STARTS))
@@ -72,12 +76,7 @@ async def test_layerwise_transfer_is_whole_before_the_prefill_completes(transpor
 
 
 async def test_naive_sends_nothing_before_complete(transports) -> None:
-    sender, receiver = transports
-    req = prefill_request(receiver)
-    staging = [torch.zeros(len(PROMPT) - DECODE_CACHED, 2, HEADS, HEAD_DIM) for _ in range(NUM_LAYERS)]
-    inbound = receiver.expect(req.transfer_id, staging)
-    outbound = OutboundKV(sender, req, NUM_LAYERS, naive=True)
-    await compute_prefill(outbound)
+    inbound, outbound, staging = await prefill(transports, naive=True)
 
     with pytest.raises(TransferTimeout):
         await inbound.wait(0.3)
