@@ -48,7 +48,11 @@ async def lifecycle_records(engine: AsyncEngine, request_id: str,
                             since: datetime | None = None) -> list[RecordedEvent]:
     """Every stored event of `request_id` with its stream sequence, in stream order; only those with
     `ts >= since` when given (a naive `since` is UTC). [] for an unknown or malformed id."""
-    return (await request_snapshot(engine, request_id, since))[1]
+    rid = _uuid(request_id)
+    if rid is None:
+        return []
+    async with engine.connect() as conn:
+        return await _records(conn, rid, since)
 
 
 async def lifecycle(engine: AsyncEngine, request_id: str) -> list[Event]:
@@ -60,7 +64,11 @@ async def lifecycle(engine: AsyncEngine, request_id: str) -> list[Event]:
 async def request_row(engine: AsyncEngine, request_id: str) -> Row | None:
     """The `requests` projection row of `request_id` as a dict of every column (request_id a string,
     timestamps aware datetimes, durations in seconds, sizes in bytes), or None if unknown/malformed."""
-    return (await request_snapshot(engine, request_id))[0]
+    rid = _uuid(request_id)
+    if rid is None:
+        return None
+    async with engine.connect() as conn:
+        return await _row(conn, rid)
 
 
 async def request_snapshot(engine: AsyncEngine, request_id: str,
@@ -74,16 +82,23 @@ async def request_snapshot(engine: AsyncEngine, request_id: str,
     async with engine.connect() as conn:
         conn = await conn.execution_options(isolation_level="REPEATABLE READ")
         async with conn.begin():
-            q_row = sa.select(requests).where(requests.c.request_id == rid)
-            q_events = sa.select(events).where(events.c.request_id == rid).order_by(events.c.stream_seq)
-            row = (await conn.execute(q_row)).mappings().first()
-            rows = (await conn.execute(q_events)).mappings().all()
+            return await _row(conn, rid), await _records(conn, rid, since)
+
+
+async def _row(conn: AsyncConnection, rid: str) -> Row | None:
+    row = (await conn.execute(sa.select(requests).where(requests.c.request_id == rid))).mappings().first()
+    return request_dict(row) if row is not None else None
+
+
+async def _records(conn: AsyncConnection, rid: str, since: datetime | None) -> list[RecordedEvent]:
+    q = sa.select(events).where(events.c.request_id == rid).order_by(events.c.stream_seq)
+    rows = (await conn.execute(q)).mappings().all()
     # seq is the rank in the whole history, so it is computed before `since` filters.
     out = [RecordedEvent(r.stream_seq, r.event.model_copy(update={"seq": i}))
            for i, r in enumerate(map(row_event, rows), start=1)]
     if since is not None:
         out = [r for r in out if r.event.ts >= _aware(since).timestamp()]
-    return (request_dict(row) if row is not None else None), out
+    return out
 
 
 async def unfinished_requests(engine: AsyncEngine) -> list[Row]:
