@@ -36,6 +36,25 @@ class Landing(NamedTuple):
     inbound: Inbound | None
 
 
+class _LayerBuffer(NamedTuple):
+    """One expected layer buffer `[rows, *row_shape]` as a chunk header describes it, worked out once at
+    `expect()` (torch attribute reads cost microseconds each, and a chunk header arrives per layer per
+    chunk): `view` is its flat uint8 view, `row_bytes` the bytes of one token row."""
+
+    view: np.ndarray
+    dtype: str
+    row_shape: tuple[int, ...]
+    rows: int
+    row_bytes: int
+
+    @classmethod
+    def of(cls, buf: torch.Tensor) -> _LayerBuffer:
+        view = byte_view(buf)  # raises ValueError for non-contiguous / non-CPU buffers
+        rows = buf.shape[0]
+        return cls(view, str(buf.dtype).removeprefix("torch."), tuple(buf.shape[1:]), rows,
+                   view.nbytes // rows if rows else 0)
+
+
 class ReceiveTable:
     """The transfers a receiver expects, by transfer id. Lives on one event loop."""
 
@@ -43,7 +62,7 @@ class ReceiveTable:
         self._loop = loop
         self._active: dict[str, Inbound] = {}
         self._retired: OrderedDict[str, None] = OrderedDict()
-        self._views: dict[str, list[np.ndarray]] = {}
+        self._layers: dict[str, list[_LayerBuffer]] = {}
         self._scratch = np.empty(0, np.uint8)
 
     def expect(self, transfer_id: str, buffers: list[torch.Tensor]) -> Inbound:
@@ -54,10 +73,10 @@ class ReceiveTable:
             raise ValueError("expect() needs at least one layer buffer")
         if len({b.dtype for b in buffers}) != 1:
             raise ValueError(f"layer buffers mix dtypes {sorted({str(b.dtype) for b in buffers})}")
-        views = [byte_view(b) for b in buffers]  # raises ValueError for non-contiguous / non-CPU buffers
+        layers = [_LayerBuffer.of(b) for b in buffers]
         inbound = Inbound(transfer_id, buffers, self._loop, self._retire)
         self._active[transfer_id] = inbound
-        self._views[transfer_id] = views
+        self._layers[transfer_id] = layers
         return inbound
 
     def open_chunk(self, header: ChunkHeader) -> Landing:
@@ -117,21 +136,19 @@ class ReceiveTable:
             inbound.cancel()
 
     def _buffer_view(self, inbound: Inbound, header: ChunkHeader) -> np.ndarray:
-        if header.layer >= len(inbound.buffers):
-            raise TransferError(f"transfer {header.transfer_id}: layer {header.layer} "
-                                f"of {len(inbound.buffers)}")
-        buf = inbound.buffers[header.layer]
-        row_bytes = buf[0].numel() * buf.element_size()
+        layers = self._layers[inbound.transfer_id]
+        if header.layer >= len(layers):
+            raise TransferError(f"transfer {header.transfer_id}: layer {header.layer} of {len(layers)}")
+        buf = layers[header.layer]
         n_tokens = header.shape[0]
-        fits = (str(buf.dtype).removeprefix("torch.") == header.dtype
-                and tuple(buf.shape[1:]) == header.shape[1:]
-                and header.nbytes == n_tokens * row_bytes and header.token_start + n_tokens <= buf.shape[0])
+        fits = (buf.dtype == header.dtype and buf.row_shape == header.shape[1:]
+                and header.nbytes == n_tokens * buf.row_bytes and header.token_start + n_tokens <= buf.rows)
         if not fits:
             raise TransferError(f"transfer {header.transfer_id} layer {header.layer}: chunk {header.dtype} "
                                 f"{list(header.shape)} at row {header.token_start} does not fit buffer "
-                                f"{buf.dtype} {list(buf.shape)}")
-        start = header.token_start * row_bytes
-        return self._views[inbound.transfer_id][header.layer][start : start + header.nbytes]
+                                f"{buf.dtype} {[buf.rows, *buf.row_shape]}")
+        start = header.token_start * buf.row_bytes
+        return buf.view[start : start + header.nbytes]
 
     def _scratch_view(self, nbytes: int) -> np.ndarray:
         # One shared scratch region: concurrent discards may overwrite each other, which is fine — nobody
@@ -142,7 +159,7 @@ class ReceiveTable:
 
     def _retire(self, inbound: Inbound) -> None:
         self._active.pop(inbound.transfer_id, None)
-        self._views.pop(inbound.transfer_id, None)
+        self._layers.pop(inbound.transfer_id, None)
         self._retired[inbound.transfer_id] = None
         while len(self._retired) > _RETIRED_IDS_KEPT:
             self._retired.popitem(last=False)
