@@ -58,10 +58,6 @@ _DEFAULT_TLS = "sm,self"
 _CONTROL_RING = 64
 # A chunk travels in pieces of this many bytes so that the receiver's hashing overlaps the copy.
 _PIECE_BYTES = 4 << 20
-
-
-def _piece_bytes() -> int:
-    return int(os.environ.get("PDS_UCXX_PIECE_BYTES", _PIECE_BYTES))
 # "thread": a UCX progress thread copies while the event loop hashes, and idles in epoll. "blocking"
 # measured up to 2x faster on many-chunk transfers (issue 4: 2.8 against 1.3-1.5 GB/s at 16 MiB in 32
 # chunks) but cannot serve: ucxx then completes requests by `wait_yield` (asyncio.sleep(0) polling), so an
@@ -154,14 +150,13 @@ class UcxxTransport(ChunkedTransport):
     async def _send_chunk(self, endpoint: KVEndpoint, header: ChunkHeader, payload: np.ndarray,
                           corrupt: bool) -> None:
         ep = await self._endpoint_to(endpoint.address)
-        piece_bytes = _piece_bytes()
-        pieces = piece_ranges(payload.nbytes, piece_bytes)
+        pieces = piece_ranges(payload.nbytes, _PIECE_BYTES)
         # The checksum travels in the header, so a chunk is one control message and its pieces: hashing
         # first costs ~40 us per MiB here, a third message per chunk cost more (issue 4 timeline).
         checksum = await xxh3_hex_async(payload)
         tag = self._take_tags(len(pieces))
         header = header.model_copy(update={"checksum": checksum, "payload_tag": tag,
-                                           "piece_bytes": piece_bytes})
+                                           "piece_bytes": _PIECE_BYTES})
         bad_piece = random.randrange(len(pieces)) if corrupt else -1  # fault injection: a flipped copy
         # A UCX request does not keep its buffer alive: `buffers` does, until every send completed.
         buffers = [Array(bytearray(encode_control(header)))]
