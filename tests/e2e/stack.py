@@ -8,7 +8,6 @@ from __future__ import annotations
 
 import os
 import signal
-import socket
 import subprocess
 import sys
 import time
@@ -17,13 +16,8 @@ from pathlib import Path
 import httpx
 
 from pdserve.config import CommonSettings
+from pdserve.embedded import free_port
 from pdserve.service_plan import ServiceSpec, service_plan
-
-
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
 
 
 class Stack:

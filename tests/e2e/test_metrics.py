@@ -10,7 +10,7 @@ import httpx
 import pytest
 from prometheus_client.parser import text_string_to_metric_families
 
-from tests.e2e.stack import free_port
+from pdserve.embedded import free_port
 from tests.e2e.test_prefix_cache import complete, kv_bytes_per_token, lifecycle, prompt
 from tests.faults.conftest import EnvStack
 

@@ -18,8 +18,8 @@ from pathlib import Path
 import httpx
 import pytest
 
+from pdserve.embedded import free_port
 from pdserve.events import TERMINAL_TYPES
-from tests.e2e.stack import free_port
 from tests.faults.conftest import EnvStack, open_store
 from tests.faults.load import (
     Result,

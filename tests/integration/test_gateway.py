@@ -11,7 +11,6 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import json
-import socket
 from collections.abc import AsyncIterator, Callable
 from dataclasses import dataclass, field
 
@@ -26,6 +25,7 @@ from opentelemetry.sdk.trace.export.in_memory_span_exporter import InMemorySpanE
 
 from pdserve.bus import Bus, RejectedError
 from pdserve.config import CommonSettings, GatewaySettings, RecorderSettings
+from pdserve.embedded import free_port
 from pdserve.engine.loader import load_tokenizer
 from pdserve.gateway.app import create_app
 from pdserve.messages import Abort, Accepted, Ack, FinishReason, RejectCode, Submit, TokenChunk, TokenLogprobs
@@ -82,12 +82,6 @@ class ScriptedCoordinator:
                     if a.request_id == request_id:
                         return a
                 await asyncio.sleep(0.02)
-
-
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
 
 
 @pytest.fixture(scope="module")
