@@ -43,6 +43,17 @@ LIFECYCLE = (
 )
 
 
+def lifecycle_of(events: list) -> tuple[str, ...]:
+    """The event types a completed request must have. A request the router placed `local` has no
+    transfer: that is the router's fallback when no prefill worker was heard from for a liveness window
+    (`heartbeat_timeout_s`), which a loaded 2-core machine can cause during a fault (the request is still
+    served, by the decode worker's own prefill)."""
+    routed = [e for e in events if e.type == "RequestRouted"]
+    if routed and routed[-1].payload["mode"] == "local":
+        return tuple(t for t in LIFECYCLE if t != "TransferCompleted")
+    return LIFECYCLE
+
+
 @dataclass
 class Result:
     prompt: str
@@ -221,7 +232,7 @@ def check_results(
         types = [e.type for e in events]
         terminal = [t for t in types if t in TERMINAL_TYPES]
         assert terminal == ["RequestCompleted"], (r.request_id, types)
-        assert all(t in types for t in LIFECYCLE), (r.request_id, types)
+        assert all(t in types for t in lifecycle_of(events)), (r.request_id, types)
         assert types[0] == "RequestReceived", (r.request_id, types)
         assert committed_tokens(events) == want, r.request_id
         assert [e.seq for e in events] == list(range(1, len(events) + 1))
