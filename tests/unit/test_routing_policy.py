@@ -7,6 +7,7 @@ import time
 from collections import Counter
 
 import pytest
+from prometheus_client import REGISTRY
 
 from pdserve.bus import RejectedError
 from pdserve.config import RouterSettings
@@ -219,14 +220,23 @@ def test_cache_salt_keeps_equal_prompts_apart():
     assert p.route(salted).best_cached_tokens == 0
 
 
+def placements(mode: str, reason: str) -> float:
+    """`pdserve:router_placements_total{mode, reason}` now (the default registry is process-wide)."""
+    labels = {"mode": mode, "reason": reason}
+    return REGISTRY.get_sample_value("pdserve:router_placements_total", labels) or 0.0
+
+
 def test_a_short_uncached_prompt_is_prefilled_locally_when_the_decode_worker_is_idle():
     p = placer(local_prefill_max_tokens=64, local_prefill_max_active_requests=1)
+    before = placements("local", "short_prompt"), placements("disaggregated", "policy")
     d = p.route(req("r1", PROMPT[:48]))
     assert (d.mode, d.prefill_worker_id, d.decode_worker_id) == ("local", "d0", "d0")
     d = p.route(req("r2", PROMPT))  # 160 uncached tokens: too long to prefill locally
     assert d.mode == "disaggregated" and d.prefill_worker_id.startswith("p")
     p.route(req("r3", PROMPT[:48]))  # the decode worker now holds two requests: busy
     assert p.route(req("r4", PROMPT[:48])).mode == "disaggregated"
+    after = placements("local", "short_prompt"), placements("disaggregated", "policy")
+    assert (after[0] - before[0], after[1] - before[1]) == (1, 3)  # r1 local; r2, r3, r4 not
 
 
 def test_local_prefill_counts_what_the_decode_worker_has_cached():
@@ -278,7 +288,9 @@ def test_with_no_live_prefill_worker_the_decode_worker_prefills_itself():
     now[0] = 4.0  # p0 went silent; the decode workers still beat
     p.observe_heartbeat(hb("d0", Role.DECODE, running=2))
     p.observe_heartbeat(hb("d1", Role.DECODE))
+    before = placements("local", "no_prefill_worker")
     d = p.route(req("r2", PROMPT))
+    assert placements("local", "no_prefill_worker") == before + 1  # what tells an operator it happened
     assert (d.mode, d.prefill_worker_id, d.decode_worker_id) == ("local", "d1", "d1")  # the less loaded
     assert d.best_cached_tokens == 0 and {c.worker_id for c in d.candidates} == {"d0", "d1"}
 

@@ -40,6 +40,7 @@ from pdserve.routing.active_load import ActiveLoad
 from pdserve.routing.kv_index import KVIndex
 from pdserve.routing.policy import Candidate, RoutingPolicy, make_policy
 from pdserve.routing.registry import WorkerRegistry, WorkerState
+from pdserve.telemetry import metrics
 
 
 def _ceil_div(a: int, b: int) -> int:
@@ -152,7 +153,8 @@ class Placer:
                 and d_cand.uncached_blocks * desc.block_size <= self.settings.local_prefill_max_tokens
                 and d_cand.active_requests <= self.settings.local_prefill_max_active_requests
             ):
-                return self._decide(req, "local", d_cand, d_cand, [d_cand], [d_cands], desc, hashes_for(desc))
+                return self._decide(req, "local", d_cand, d_cand, [d_cand], [d_cands], desc, hashes_for(desc),
+                                    "short_prompt")
             p_states = [p for p in prefill if WorkerRegistry.compatible(p.heartbeat.descriptor, desc)]
             p_cands = [self._candidate(p, n, hashes_for(desc), False) for p in p_states]
             chosen = p_cands[self.policy.select(p_cands)]
@@ -174,7 +176,8 @@ class Placer:
         if decode:  # no live compatible prefill worker: a decode worker prefills itself
             d_state, d_cand, d_cands = self._decode_worker(decode, n, hashes_for)
             desc = d_state.heartbeat.descriptor
-            return self._decide(req, "local", d_cand, d_cand, d_cands, [d_cands], desc, hashes_for(desc))
+            return self._decide(req, "local", d_cand, d_cand, d_cands, [d_cands], desc, hashes_for(desc),
+                                "no_prefill_worker")
         raise RejectedError(RejectCode.NO_WORKERS, "no live decode worker or unified worker")
 
     def _decode_worker(
@@ -199,7 +202,10 @@ class Placer:
         recorded: list[list[Candidate]],
         desc: CompatibilityDescriptor,
         hashes: list[int],
+        reason: str = "policy",
     ) -> RouteDecision:
+        """The decision, booked in the router's load and counted in `pdserve:router_placements` (`reason`:
+        see there)."""
         bs = desc.block_size
         # Each group scored on its own (the prefill candidates among themselves, as the policy chose).
         costs = [
@@ -208,6 +214,7 @@ class Placer:
         self.load.book(
             req.request_id, prefill.worker_id, prefill.uncached_blocks, decode.worker_id, decode.prompt_blocks
         )
+        metrics.ROUTER_PLACEMENTS.labels(mode=mode, reason=reason).inc()
         return RouteDecision(
             request_id=req.request_id,
             mode=mode,

@@ -56,6 +56,12 @@ KV_TRANSFER_BYTES = Counter(
 KV_TRANSFER_SECONDS = Histogram(
     "pdserve:kv_transfer_seconds", "Duration of one request's KV transfer, seconds, by receiving worker.",
     WORKER, buckets=TRANSFER_SECONDS_BUCKETS_S)
+ROUTER_PLACEMENTS = Counter(
+    "pdserve:router_placements",
+    "Requests the router placed, by mode (disaggregated, local, colocated) and reason: 'policy' (the "
+    "routing policy's choice), 'short_prompt' (conditional disaggregation: few uncached tokens on an idle "
+    "decode worker) or 'no_prefill_worker' (no compatible prefill worker heard from within "
+    "heartbeat_timeout_s: the decode worker prefills itself).", ("mode", "reason"))
 CHECKSUM_FAILURES = Counter(
     "pdserve:checksum_failures",
     "KV transfers refused because a (layer, chunk) checksum did not match on arrival.", WORKER)
