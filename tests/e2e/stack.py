@@ -15,8 +15,10 @@ from pathlib import Path
 
 import httpx
 
+from pdserve.cli.readiness import heartbeating
 from pdserve.config import CommonSettings
 from pdserve.embedded import free_port
+from pdserve.messages import Subjects
 from pdserve.service_plan import ServiceSpec, service_plan
 
 
@@ -53,14 +55,22 @@ class Stack:
         return self
 
     def wait_ready(self, timeout_s: float) -> None:
-        """Until a one-token completion succeeds: every service is up and the workers are registered."""
+        """Until every worker of the plan heartbeats (as `make up` waits: a completion alone can succeed
+        through the router's local-prefill fallback while the prefill worker still loads, and a test then
+        sees no transfer) and a one-token completion succeeds."""
         deadline = time.monotonic() + timeout_s
+        workers = {spec.name for spec in self.plan if spec.is_worker}
+        subjects = Subjects(self.settings.subject_prefix)
         body = {"model": self.served_model, "prompt": "hi", "max_tokens": 1}
         last = ""
         while time.monotonic() < deadline:
             for name, p in self.procs.items():
                 if p.poll() is not None:
                     raise RuntimeError(f"{name} exited with {p.returncode}:\n{self.log_tail(name)}")
+            heard = heartbeating(self.settings.nats_url, subjects, workers)
+            if heard < workers:
+                last = f"no heartbeat yet from {sorted(workers - heard)}"
+                continue
             try:
                 r = httpx.post(f"{self.url}/v1/completions", json=body, timeout=30)
                 if r.status_code == 200:
