@@ -6,6 +6,7 @@ run's NATS and Postgres, with this run's subject prefix and events stream so run
 
 from __future__ import annotations
 
+import concurrent.futures
 import os
 import signal
 import subprocess
@@ -67,7 +68,10 @@ class Stack:
             for name, p in self.procs.items():
                 if p.poll() is not None:
                     raise RuntimeError(f"{name} exited with {p.returncode}:\n{self.log_tail(name)}")
-            heard = heartbeating(self.settings.nats_url, subjects, workers)
+            # In a thread of its own: `heartbeating` runs its own event loop, and async tests call this
+            # with theirs running.
+            with concurrent.futures.ThreadPoolExecutor(1) as pool:
+                heard = pool.submit(heartbeating, self.settings.nats_url, subjects, workers).result()
             if heard < workers:
                 last = f"no heartbeat yet from {sorted(workers - heard)}"
                 continue
