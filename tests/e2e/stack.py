@@ -62,19 +62,21 @@ class Stack:
         deadline = time.monotonic() + timeout_s
         workers = {spec.name for spec in self.plan if spec.is_worker}
         subjects = Subjects(self.settings.subject_prefix)
+        heard: set[str] = set()
         body = {"model": self.served_model, "prompt": "hi", "max_tokens": 1}
         last = ""
         while time.monotonic() < deadline:
             for name, p in self.procs.items():
                 if p.poll() is not None:
                     raise RuntimeError(f"{name} exited with {p.returncode}:\n{self.log_tail(name)}")
-            # In a thread of its own: `heartbeating` runs its own event loop, and async tests call this
-            # with theirs running.
-            with concurrent.futures.ThreadPoolExecutor(1) as pool:
-                heard = pool.submit(heartbeating, self.settings.nats_url, subjects, workers).result()
-            if heard < workers:
-                last = f"no heartbeat yet from {sorted(workers - heard)}"
-                continue
+            if heard < workers:  # asked once all are heard; then only the completion is retried
+                # In a thread of its own: `heartbeating` runs its own event loop, and async tests call this
+                # with theirs running.
+                with concurrent.futures.ThreadPoolExecutor(1) as pool:
+                    heard = pool.submit(heartbeating, self.settings.nats_url, subjects, workers).result()
+                if heard < workers:
+                    last = f"no heartbeat yet from {sorted(workers - heard)}"
+                    continue
             try:
                 r = httpx.post(f"{self.url}/v1/completions", json=body, timeout=30)
                 if r.status_code == 200:
