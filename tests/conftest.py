@@ -152,7 +152,7 @@ def smollm2_hf():
     import torch
     import transformers
 
-    from pdserve.engine.loader import smollm2_gguf_path
+    from pdserve.engine.model_files import smollm2_gguf_path
 
     path = smollm2_gguf_path()
     return transformers.AutoModelForCausalLM.from_pretrained(

@@ -30,6 +30,11 @@ from typing import Annotated, Literal
 
 from pydantic import BaseModel, ConfigDict, Field
 
+# The engine's own vocabulary, carried on the wire as the engine defines it (re-exported here).
+from pdserve.engine.kv_events import AllBlocksCleared, BlockRemoved, BlockStored  # noqa: F401
+from pdserve.engine.outputs import FinishReason, TokenLogprobs  # noqa: F401
+from pdserve.engine.sampling_params import SamplingParams  # noqa: F401
+
 
 class Message(BaseModel):
     """Base of every wire message: immutable, unknown fields rejected."""
@@ -97,25 +102,8 @@ class Role(StrEnum):
     UNIFIED = "unified"
 
 
-class FinishReason(StrEnum):
-    STOP = "stop"  # EOS, a stop token or a stop string
-    LENGTH = "length"  # max_tokens or the model's context
-    ABORT = "abort"  # client went away or the request was cancelled
 
 
-class SamplingParams(Message):
-    """Sampling as in vLLM's `SamplingParams`. temperature 0 = greedy."""
-
-    max_tokens: int = Field(16, ge=1)
-    temperature: float = Field(1.0, ge=0.0, le=2.0)
-    top_p: float = Field(1.0, gt=0.0, le=1.0)
-    top_k: int = Field(-1, ge=-1, description="-1 = all tokens")
-    seed: int | None = None
-    stop_token_ids: tuple[int, ...] = ()
-    ignore_eos: bool = False
-    logprobs: int | None = Field(
-        None, ge=0, le=5, description="Return each sampled token's logprob and its `logprobs` most likely "
-        "alternatives (vLLM's `logprobs`); None = off.")
 
 
 class CompatibilityDescriptor(Message):
@@ -182,14 +170,6 @@ class Abort(Message):
     finish_reason: FinishReason | None = None
 
 
-class TokenLogprobs(Message):
-    """One output token's log-probability under the model's raw distribution (log-softmax of the logits,
-    before temperature / top-k / top-p: vLLM's default `logprobs_mode="raw_logprobs"`), and the `top`
-    most likely tokens as (token_id, logprob), most likely first."""
-
-    token_id: int
-    logprob: float
-    top: tuple[tuple[int, float], ...] = ()
 
 
 class TokenChunk(Message):
@@ -371,24 +351,10 @@ class WorkerIncompatible(Message):
 # ---------------------------------------------------------------- KV cache events (vLLM's KV events)
 
 
-class BlockStored(Message):
-    """Full blocks now held in the worker's prefix cache, in chain order (`block_hashes[0]`'s parent is
-    `parent_block_hash`; None = the sequence's first block). Hashes: `pdserve.engine.block_hash`."""
-
-    kind: Literal["BlockStored"] = "BlockStored"
-    block_hashes: tuple[int, ...]
-    parent_block_hash: int | None = None
 
 
-class BlockRemoved(Message):
-    kind: Literal["BlockRemoved"] = "BlockRemoved"
-    block_hashes: tuple[int, ...]
 
 
-class AllBlocksCleared(Message):
-    """Sent at every worker start: whatever an index held for this worker is gone."""
-
-    kind: Literal["AllBlocksCleared"] = "AllBlocksCleared"
 
 
 class KVEvents(Message):

@@ -15,7 +15,7 @@ import uvicorn
 
 from pdserve.bus import Bus
 from pdserve.config import GatewaySettings
-from pdserve.engine.loader import load_tokenizer
+from pdserve.engine.tokenizer import load_tokenizer
 from pdserve.gateway.app import create_app
 from pdserve.store.queries import make_engine
 from pdserve.telemetry.setup import init_telemetry

@@ -9,7 +9,8 @@ import pytest
 
 from pdserve.config import ModelSettings
 from pdserve.engine.loader import load_model
-from pdserve.engine.model import LlamaModel, generate_greedy
+from pdserve.engine.model import LlamaModel
+from tests import oracle
 from tests.e2e.stack import Stack
 
 pytestmark = pytest.mark.smollm2
@@ -51,7 +52,7 @@ def test_greedy_tokens_equal_one_process_without_transfer_for_five_prompts(smoll
     tok = loaded.tokenizer
     for prompt in PROMPTS:
         ids = tok.encode(tok.apply_chat_template([{"role": "user", "content": prompt}]))
-        expected = tok.decode(generate_greedy(model, ids, 16))
+        expected = tok.decode(oracle.greedy(model, ids, 16))
         r = chat(smollm2_stack, prompt, 16)
         assert r.status_code == 200, r.text
         assert r.json()["choices"][0]["message"]["content"] == expected, prompt

@@ -9,10 +9,10 @@ import openai
 import pytest
 import torch
 
-from pdserve.engine.kv_cache import SequenceKVCache
 from pdserve.engine.loader import load_model
-from pdserve.engine.model import LlamaModel, generate_greedy
+from pdserve.engine.model import LlamaModel
 from pdserve.telemetry.spans import load_spans, spans_of_request
+from tests import oracle
 
 LIFECYCLE = ["RequestReceived", "RequestRouted", "DecodeReserved", "PrefillStarted", "PrefillCompleted",
              "TransferCompleted", "DecodeStarted", "TokensCommitted", "RequestCompleted"]
@@ -53,7 +53,7 @@ def test_greedy_tokens_through_the_stack_equal_one_process_without_transfer(tiny
     torch.manual_seed(0)
     for prompt in PROMPTS:
         ids = loaded.tokenizer.encode(prompt)
-        expected = generate_greedy(model, ids, 12)
+        expected = oracle.greedy(model, ids, 12)
         r = httpx.post(f"{tiny_stack.url}/v1/completions", timeout=60, json={
             "model": "SmolLM2-135M-Instruct", "prompt": prompt, "max_tokens": 12, "temperature": 0,
             "ignore_eos": True})
@@ -66,14 +66,7 @@ def test_greedy_logprobs_are_the_one_process_log_softmax_and_the_top_of_their_li
     loaded = load_model("tiny", tiny_stack.settings.var_dir / "weights")
     model = LlamaModel(loaded.config, loaded.weights)
     prompt, max_tokens = PROMPTS[0], 6
-    ids = loaded.tokenizer.encode(prompt)
-    cache = SequenceKVCache(model.config, len(ids) + max_tokens)
-    logits = model.forward(torch.tensor(ids, dtype=torch.int64), cache)
-    expected: list[float] = []  # the reference: log_softmax of one process's logits at each chosen token
-    for _ in range(max_tokens):
-        token = int(torch.argmax(logits))
-        expected.append(float(torch.log_softmax(logits.float(), dim=-1)[token]))
-        logits = model.forward(torch.tensor([token], dtype=torch.int64), cache)
+    expected = oracle.greedy_logprobs(model, loaded.tokenizer.encode(prompt), max_tokens)
     r = httpx.post(f"{tiny_stack.url}/v1/completions", timeout=60, json={
         "model": "SmolLM2-135M-Instruct", "prompt": prompt, "max_tokens": max_tokens, "temperature": 0,
         "ignore_eos": True, "logprobs": 5})

@@ -14,7 +14,8 @@ import httpx
 import pytest
 
 from pdserve.engine.loader import load_model
-from pdserve.engine.model import LlamaModel, generate_greedy
+from pdserve.engine.model import LlamaModel
+from tests import oracle
 from tests.faults.conftest import EnvStack
 
 pytestmark = pytest.mark.stack
@@ -41,7 +42,7 @@ def greedy_text(local_stack):
     model = LlamaModel(loaded.config, loaded.weights)
 
     def text(prompt: str) -> str:
-        return loaded.tokenizer.decode(generate_greedy(model, loaded.tokenizer.encode(prompt), MAX_TOKENS))
+        return loaded.tokenizer.decode(oracle.greedy(model, loaded.tokenizer.encode(prompt), MAX_TOKENS))
 
     return text
 

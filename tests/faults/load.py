@@ -1,7 +1,7 @@
 """Concurrent streamed load for fault tests, and the checks every fault test makes.
 
 Each request streams (SSE) greedy tokens with `ignore_eos`, so its output is exactly `max_tokens` tokens
-that one process without any transfer computes too (`generate_greedy`, the oracle). A client whose stream
+that one process without any transfer computes too (`tests.oracle.greedy`). A client whose stream
 breaks (the gateway died) resumes it with `GET /v1/requests/{id}/stream` and `Last-Event-ID`.
 """
 
@@ -191,13 +191,13 @@ def expected_outputs(reference, prompts: list[str], max_tokens: int) -> dict[str
     core). `reference` is a session fixture's (model, tokenizer), so the model's id is stable."""
     import torch
 
-    from pdserve.engine.model import generate_greedy
+    from tests import oracle
 
     model, tokenizer = reference
     torch.set_num_threads(1)
     for p in set(prompts):
         if (id(model), p, max_tokens) not in _EXPECTED:
-            _EXPECTED[id(model), p, max_tokens] = generate_greedy(model, tokenizer.encode(p), max_tokens)
+            _EXPECTED[id(model), p, max_tokens] = oracle.greedy(model, tokenizer.encode(p), max_tokens)
     return {p: _EXPECTED[id(model), p, max_tokens] for p in set(prompts)}
 
 

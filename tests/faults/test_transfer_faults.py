@@ -16,9 +16,10 @@ import torch
 
 from pdserve.config import CommonSettings
 from pdserve.engine.loader import load_model
-from pdserve.engine.model import LlamaModel, generate_greedy
+from pdserve.engine.model import LlamaModel
 from pdserve.messages import Heartbeat, Subjects
 from pdserve.service_plan import ServiceSpec
+from tests import oracle
 from tests.e2e.stack import Stack
 
 pytestmark = [pytest.mark.faults, pytest.mark.stack]
@@ -118,7 +119,7 @@ def greedy(settings) -> dict[str, str]:
     model = LlamaModel(loaded.config, loaded.weights)
     torch.manual_seed(0)
     tok = loaded.tokenizer
-    return {p: tok.decode(generate_greedy(model, tok.encode(p), 4)) for p in PROMPTS}
+    return {p: tok.decode(oracle.greedy(model, tok.encode(p), 4)) for p in PROMPTS}
 
 
 def complete(url: str, prompt: str, max_tokens: int, timeout_s: float = 60.0) -> httpx.Response:

@@ -26,7 +26,7 @@ from opentelemetry.sdk.trace.export.in_memory_span_exporter import InMemorySpanE
 from pdserve.bus import Bus, RejectedError
 from pdserve.config import CommonSettings, GatewaySettings, RecorderSettings
 from pdserve.embedded import free_port
-from pdserve.engine.loader import load_tokenizer
+from pdserve.engine.tokenizer import load_tokenizer
 from pdserve.gateway.app import create_app
 from pdserve.messages import Abort, Accepted, Ack, FinishReason, RejectCode, Submit, TokenChunk, TokenLogprobs
 from pdserve.store.queries import make_engine

@@ -1,5 +1,5 @@
-"""LLMEngine on the seeded tiny Llama against one-sequence greedy decoding (`generate_greedy`, itself checked
-against HF transformers): every prompt length around each multiple of the block size, pools around the
+"""LLMEngine on the seeded tiny Llama against one-sequence greedy decoding (`tests.oracle.greedy`, itself
+checked against HF transformers): every prompt length around each multiple of the block size, pools around the
 capacity a request needs, chunking, batching, preemption, prefix-cache hits and salts — with no block
 leaked."""
 
@@ -10,10 +10,11 @@ import torch
 
 from pdserve.engine.llm_engine import CannotFit, EngineConfig, LLMEngine
 from pdserve.engine.loader import LoadedModel, load_model
-from pdserve.engine.model import LlamaModel, generate_greedy
+from pdserve.engine.model import LlamaModel
 from pdserve.engine.sequence import Sequence
 from pdserve.kernels.kv_pack import token_slots, unpack_kv
 from pdserve.messages import SamplingParams
+from tests import oracle
 
 BS = 16
 GREEDY = SamplingParams(max_tokens=6, temperature=0, ignore_eos=True)
@@ -43,7 +44,7 @@ def expected(model, tokens):
     def greedy(offset: int, length: int, max_tokens: int = GREEDY.max_tokens) -> list[int]:
         key = (offset, length, max_tokens)
         if key not in cache:
-            cache[key] = generate_greedy(model, tokens[offset : offset + length], max_tokens)
+            cache[key] = oracle.greedy(model, tokens[offset : offset + length], max_tokens)
         return cache[key]
 
     return greedy

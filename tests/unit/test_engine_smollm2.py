@@ -7,9 +7,10 @@ import pytest
 import torch
 
 from pdserve.engine.llm_engine import EngineConfig, LLMEngine
-from pdserve.engine.model import LlamaModel, generate_greedy
+from pdserve.engine.model import LlamaModel
 from pdserve.engine.sequence import Sequence
 from pdserve.messages import SamplingParams
+from tests import oracle
 from tests.unit.test_model_vs_hf import hf_greedy
 
 transformers = pytest.importorskip("transformers")
@@ -81,7 +82,7 @@ def hf_tokens(smollm2_hf, smollm2, prompt_ids) -> list[list[int]]:
     """The greedy reference: our one-sequence forward, each continuation confirmed by HF (`hf_agrees`);
     two are also decoded token by token with HF's own cache."""
     model = LlamaModel(smollm2.config, smollm2.weights)
-    reference = [generate_greedy(model, ids, MAX_TOKENS) for ids in prompt_ids]
+    reference = [oracle.greedy(model, ids, MAX_TOKENS) for ids in prompt_ids]
     assert all(hf_agrees(smollm2_hf, ids, out) for ids, out in zip(prompt_ids, reference, strict=True))
     for i in (0, 12):
         assert hf_greedy(smollm2_hf, prompt_ids[i], MAX_TOKENS) == reference[i]

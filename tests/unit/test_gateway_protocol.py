@@ -10,7 +10,7 @@ import pytest
 from pydantic import ValidationError
 
 from pdserve.bus import RejectedError
-from pdserve.engine.loader import load_tokenizer
+from pdserve.engine.tokenizer import load_tokenizer
 from pdserve.gateway.errors import APIError, api_error_from_validation, from_rejection
 from pdserve.gateway.prompt import check_model, prepare_chat, prepare_completion
 from pdserve.gateway.protocol import ChatCompletionRequest, CompletionRequest

@@ -9,13 +9,41 @@ import pytest
 import torch
 
 from pdserve.config import ModelSettings
-from pdserve.engine.kv_cache import K_INDEX, V_INDEX, SequenceKVCache
-from pdserve.engine.loader import LlamaConfig, LoadedModel, load_model, smollm2_gguf_path
-from pdserve.engine.model import LlamaModel, generate_greedy
+from pdserve.engine.loader import LoadedModel, load_model
+from pdserve.engine.model import LlamaModel
+from pdserve.engine.model_config import LlamaConfig
+from pdserve.engine.model_files import smollm2_gguf_path
+from pdserve.engine.model_runner import ModelRunner
+from pdserve.engine.scheduler import ScheduledSeq
+from pdserve.engine.sequence import Sequence
+from pdserve.kernels.paged_attention import K_INDEX, V_INDEX, gather_sequence_kv
+from tests import oracle
 
 transformers = pytest.importorskip("transformers")
 
 ATOL = 1e-4
+BLOCK_SIZE = 16
+
+
+def runner_with(model: LlamaModel, ids: torch.Tensor, num_blocks: int = 4) -> tuple[ModelRunner, Sequence]:
+    """A runner whose pool holds one sequence of `ids`, its blocks in reverse order (so a table lookup
+    that ignored the block ids would read the wrong rows)."""
+    runner = ModelRunner(model, num_blocks, BLOCK_SIZE)
+    seq = Sequence("s", ids.tolist())
+    seq.block_table = list(reversed(range(num_blocks)))
+    return runner, seq
+
+
+def compute(runner: ModelRunner, seq: Sequence, num_tokens: int, hook=None) -> torch.Tensor:
+    """The next `num_tokens` of `seq` through the serving forward; the last one's logits, [vocab_size]."""
+    (logits,) = runner.execute([ScheduledSeq(seq, num_tokens)], hook)
+    seq.num_computed_tokens += num_tokens
+    return logits
+
+
+def cached_kv(runner: ModelRunner, seq: Sequence, layer: int, num_tokens: int) -> torch.Tensor:
+    """[num_tokens, 2, kv_heads, head_dim]: `seq`'s first tokens' KV of one layer, read through its table."""
+    return gather_sequence_kv(runner.kv_cache[layer], torch.tensor(seq.block_table), num_tokens)
 
 
 def hf_llama_from(loaded: LoadedModel) -> torch.nn.Module:
@@ -90,95 +118,84 @@ def test_tiny_model_is_deterministic_and_hash_names_its_weights(tiny: LoadedMode
 
 
 def test_tiny_prefill_logits_match_hf_llama(tiny, tiny_ids, tiny_hf_logits) -> None:
-    model = LlamaModel(tiny.config, tiny.weights)
-    cache = SequenceKVCache(tiny.config, 64)
-    logits = model.forward(tiny_ids, cache)
+    runner, seq = runner_with(LlamaModel(tiny.config, tiny.weights), tiny_ids)
+    logits = compute(runner, seq, len(tiny_ids))
     assert logits.shape == (tiny.config.vocab_size,) and logits.dtype == torch.float32
-    assert cache.num_tokens == len(tiny_ids)
     torch.testing.assert_close(logits, tiny_hf_logits[-1], atol=ATOL, rtol=0)
     # the logits are not trivially flat, so agreement means something
     assert tiny_hf_logits[-1].std() > 1.0
 
 
 def test_token_by_token_decode_matches_hf_at_every_position(tiny, tiny_ids, tiny_hf_logits) -> None:
-    model = LlamaModel(tiny.config, tiny.weights)
-    cache = SequenceKVCache(tiny.config, 64)
-    model.forward(tiny_ids[:8], cache)
+    runner, seq = runner_with(LlamaModel(tiny.config, tiny.weights), tiny_ids)
+    compute(runner, seq, 8)
     for position in range(8, len(tiny_ids)):
-        logits = model.forward(tiny_ids[position : position + 1], cache)
-        torch.testing.assert_close(logits, tiny_hf_logits[position], atol=ATOL, rtol=0)
+        torch.testing.assert_close(compute(runner, seq, 1), tiny_hf_logits[position], atol=ATOL, rtol=0)
 
 
 def test_chunked_prefill_then_decode_equals_one_full_forward(tiny, tiny_ids) -> None:
     model = LlamaModel(tiny.config, tiny.weights)
-    full_cache = SequenceKVCache(tiny.config, 64)
-    full = model.forward(tiny_ids, full_cache)
-    chunked_cache = SequenceKVCache(tiny.config, 64)
-    for start, end in ((0, 13), (13, 29), (29, 47)):
-        model.forward(tiny_ids[start:end], chunked_cache)
-    last = model.forward(tiny_ids[47:], chunked_cache)
+    full_runner, full_seq = runner_with(model, tiny_ids)
+    full = compute(full_runner, full_seq, len(tiny_ids))
+    chunked_runner, chunked_seq = runner_with(model, tiny_ids)
+    for n in (13, 16, 18):
+        compute(chunked_runner, chunked_seq, n)
+    last = compute(chunked_runner, chunked_seq, 1)
     torch.testing.assert_close(last, full, atol=ATOL, rtol=0)
     for layer in range(tiny.config.num_layers):
-        torch.testing.assert_close(
-            chunked_cache.layers[layer][:48], full_cache.layers[layer][:48], atol=ATOL, rtol=0
-        )
+        torch.testing.assert_close(cached_kv(chunked_runner, chunked_seq, layer, 48),
+                                   cached_kv(full_runner, full_seq, layer, 48), atol=ATOL, rtol=0)
 
 
 def test_kv_cache_holds_the_keys_and_values_hf_caches(tiny, tiny_hf, tiny_ids) -> None:
-    model = LlamaModel(tiny.config, tiny.weights)
-    cache = SequenceKVCache(tiny.config, 64)
-    model.forward(tiny_ids, cache)
+    runner, seq = runner_with(LlamaModel(tiny.config, tiny.weights), tiny_ids)
+    compute(runner, seq, len(tiny_ids))
     with torch.no_grad():
         hf_cache = tiny_hf(tiny_ids[None], use_cache=True).cache
     for layer in range(tiny.config.num_layers):
         hf_k = hf_cache.layers[layer].keys[0].transpose(0, 1)  # [T, kv_heads, head_dim], after rope
         hf_v = hf_cache.layers[layer].values[0].transpose(0, 1)
-        torch.testing.assert_close(cache.layers[layer][:48, K_INDEX], hf_k, atol=ATOL, rtol=0)
-        torch.testing.assert_close(cache.layers[layer][:48, V_INDEX], hf_v, atol=ATOL, rtol=0)
-        assert cache.layers[layer][48:].abs().sum() == 0  # nothing written past num_tokens
+        kv = cached_kv(runner, seq, layer, 64)
+        torch.testing.assert_close(kv[:48, K_INDEX], hf_k, atol=ATOL, rtol=0)
+        torch.testing.assert_close(kv[:48, V_INDEX], hf_v, atol=ATOL, rtol=0)
+        assert kv[48:].abs().sum() == 0  # nothing written past the sequence's tokens
 
 
 def test_layer_hook_runs_once_per_layer_in_order_after_that_layers_kv_is_written(tiny, tiny_ids) -> None:
-    model = LlamaModel(tiny.config, tiny.weights)
-    cache = SequenceKVCache(tiny.config, 64)
-    model.forward(tiny_ids[:10], cache)
+    runner, seq = runner_with(LlamaModel(tiny.config, tiny.weights), tiny_ids)
+    compute(runner, seq, 10)
     seen: list[int] = []
 
-    def hook(layer: int) -> None:
-        region = cache.layers[layer][10:20]
-        assert region.is_contiguous() and region.abs().sum() > 0  # written before the hook
-        if layer + 1 < tiny.config.num_layers:
-            assert cache.layers[layer + 1][10:20].abs().sum() == 0  # the next layer is not yet computed
+    def hook(layer: int, kv_layer: torch.Tensor) -> None:
+        assert kv_layer is runner.kv_cache[layer]
+        assert cached_kv(runner, seq, layer, 20)[10:].abs().sum() > 0  # written before the hook
+        if layer + 1 < tiny.config.num_layers:  # the next layer is not yet computed
+            assert cached_kv(runner, seq, layer + 1, 20)[10:].abs().sum() == 0
         seen.append(layer)
 
-    model.forward(tiny_ids[10:20], cache, layer_hook=hook)
+    compute(runner, seq, 10, hook)
     assert seen == list(range(tiny.config.num_layers))
-    assert cache.num_tokens == 20
 
 
-def test_kv_cache_layer_slice_is_one_contiguous_region_of_the_advertised_size(tiny) -> None:
-    cache = SequenceKVCache(tiny.config, 32)
+def test_one_block_of_one_layer_is_one_contiguous_region_of_the_advertised_size(tiny) -> None:
+    runner = ModelRunner(LlamaModel(tiny.config, tiny.weights), 4, BLOCK_SIZE)
     c = tiny.config
-    assert cache.nbytes_per_token_per_layer() == 2 * c.num_kv_heads * c.head_dim * 4
-    region = cache.layers[1][5:9]
-    assert region.is_contiguous()
-    assert region.numel() * region.element_size() == 4 * cache.nbytes_per_token_per_layer()
+    assert c.kv_bytes_per_token == c.num_layers * 2 * c.num_kv_heads * c.head_dim * 4
+    block = runner.kv_cache[1][2]
+    assert block.is_contiguous()
+    assert block.numel() * block.element_size() * c.num_layers == BLOCK_SIZE * c.kv_bytes_per_token
 
 
-def test_forward_refuses_tokens_past_the_cache_and_leaves_it_unchanged(tiny, tiny_ids) -> None:
-    model = LlamaModel(tiny.config, tiny.weights)
-    cache = SequenceKVCache(tiny.config, 16)
-    model.forward(tiny_ids[:10], cache)
-    with pytest.raises(ValueError, match="exceed"):
-        model.forward(tiny_ids[10:20], cache)
-    assert cache.num_tokens == 10
+def test_forward_refuses_positions_past_the_rope_table(tiny) -> None:
+    ids = torch.zeros(tiny.config.max_position_embeddings + 1, dtype=torch.int64)
+    runner, seq = runner_with(LlamaModel(tiny.config, tiny.weights), ids, num_blocks=129)
+    with pytest.raises(ValueError, match="max_position_embeddings"):
+        compute(runner, seq, len(ids))
 
 
-def test_tiny_generate_greedy_equals_hf_greedy(tiny, tiny_hf, tiny_ids) -> None:
+def test_tiny_engine_greedy_equals_hf_greedy(tiny, tiny_hf, tiny_ids) -> None:
     prompt = tiny_ids[:12].tolist()
-    assert generate_greedy(LlamaModel(tiny.config, tiny.weights), prompt, 10) == hf_greedy(
-        tiny_hf, prompt, 10
-    )
+    assert oracle.greedy(LlamaModel(tiny.config, tiny.weights), prompt, 10) == hf_greedy(tiny_hf, prompt, 10)
 
 
 # ---------------------------------------------------------------- SmolLM2-135M-Instruct
@@ -225,14 +242,14 @@ def test_smollm2_weights_hash_is_the_ggufs_sha256_and_the_cache_reloads_identica
 )
 def test_smollm2_first_16_greedy_tokens_equal_hf(smollm2, smollm2_model, smollm2_hf, prompt: str) -> None:
     ids = smollm2.tokenizer.encode(prompt)
-    assert generate_greedy(smollm2_model, ids, 16) == hf_greedy(smollm2_hf, ids, 16)
+    assert oracle.greedy(smollm2_model, ids, 16) == hf_greedy(smollm2_hf, ids, 16)
 
 
 @pytest.mark.smollm2
 def test_smollm2_chat_answers_paris_for_the_capital_of_france(smollm2, smollm2_model) -> None:
     tok = smollm2.tokenizer
     prompt = tok.apply_chat_template([{"role": "user", "content": "What is the capital of France?"}])
-    generated = generate_greedy(smollm2_model, tok.encode(prompt), 16)
+    generated = oracle.greedy(smollm2_model, tok.encode(prompt), 16)
     answer = tok.decode(
         generated[: generated.index(tok.eos_token_id)] if tok.eos_token_id in generated else generated
     )

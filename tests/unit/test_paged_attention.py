@@ -7,7 +7,7 @@ import torch
 
 from pdserve.kernels.attention import causal_attention
 from pdserve.kernels.kv_pack import pack_kv, token_slots, unpack_kv
-from pdserve.kernels.paged_attention import gather_sequence_kv, paged_attention, store_kv
+from pdserve.kernels.paged_attention import attention_metadata, gather_sequence_kv, paged_attention, store_kv
 
 NUM_HEADS, NUM_KV_HEADS, HEAD_DIM, BLOCK_SIZE, NUM_BLOCKS = 6, 2, 8, 4, 64
 
@@ -59,7 +59,7 @@ def test_paged_attention_of_a_mixed_batch_equals_plain_attention_per_sequence(qu
     block_tables = torch.zeros(len(tables), max(map(len, tables)), dtype=torch.int64)
     for i, t in enumerate(tables):
         block_tables[i, : len(t)] = torch.tensor(t)
-    out = paged_attention(q, kv_layer, block_tables, context_lens, query_lens)
+    out = paged_attention(q, kv_layer, attention_metadata(block_tables, context_lens, query_lens, BLOCK_SIZE))
     start = 0
     for n, k, v in zip(query_lens, keys, values, strict=True):
         expected = plain_attention(q[start : start + n], k, v)
@@ -75,9 +75,9 @@ def test_paged_attention_refuses_lengths_that_do_not_match_the_queries():
     q = torch.zeros(3, NUM_HEADS, HEAD_DIM)
     tables = torch.zeros(1, 2, dtype=torch.int64)
     with pytest.raises(ValueError, match="cover"):
-        paged_attention(q, kv_layer, tables, [5], [2])
+        paged_attention(q, kv_layer, attention_metadata(tables, [5], [2], BLOCK_SIZE))
     with pytest.raises(ValueError, match="exceed"):
-        paged_attention(q, kv_layer, tables, [2], [3])
+        attention_metadata(tables, [2], [3], BLOCK_SIZE)
 
 
 def test_pack_then_unpack_moves_token_rows_between_differently_placed_blocks():

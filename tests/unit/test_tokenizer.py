@@ -6,8 +6,8 @@ from __future__ import annotations
 import pytest
 
 from pdserve.engine.detokenizer import IncrementalDetokenizer
-from pdserve.engine.loader import load_tokenizer, smollm2_gguf_path
-from pdserve.engine.tokenizer import Tokenizer
+from pdserve.engine.model_files import smollm2_gguf_path
+from pdserve.engine.tokenizer import Tokenizer, load_tokenizer
 
 transformers = pytest.importorskip("transformers")
 

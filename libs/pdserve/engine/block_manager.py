@@ -14,8 +14,8 @@ from collections import OrderedDict, deque
 from typing import NamedTuple
 
 from pdserve.engine.block_hash import block_hash, root_hash
+from pdserve.engine.kv_events import BlockRemoved, BlockStored
 from pdserve.engine.sequence import Sequence
-from pdserve.messages import BlockRemoved, BlockStored
 
 
 class NoFreeBlocks(Exception):

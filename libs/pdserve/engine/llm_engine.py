@@ -12,10 +12,11 @@ import torch
 from pdserve.engine.block_manager import BlockManager, NoFreeBlocks
 from pdserve.engine.model import LlamaModel
 from pdserve.engine.model_runner import ModelRunner
+from pdserve.engine.outputs import FinishReason, TokenLogprobs
+from pdserve.engine.sampling_params import SamplingParams
 from pdserve.engine.scheduler import CannotFit, ScheduledSeq, Scheduler, SchedulerConfig
 from pdserve.engine.sequence import Sequence, SequenceStatus
 from pdserve.kernels.kv_pack import pack_kv, token_slots
-from pdserve.messages import FinishReason, TokenLogprobs
 
 __all__ = ["CannotFit", "EngineConfig", "EngineStats", "LLMEngine", "NoFreeBlocks", "StepOutput"]
 
@@ -123,6 +124,17 @@ class LLMEngine:
     def has_work(self) -> bool:
         return self.scheduler.has_work
 
+    def generate(self, prompts: list[list[int]], sampling: SamplingParams) -> list[list[int]]:
+        """Run `prompts` (token ids) to completion together and return each one's output token ids, in
+        order: offline batch inference, as vLLM's `LLM.generate`, through the same steps serving runs.
+        Raises CannotFit for a prompt that can never run here."""
+        seqs = [Sequence(f"generate-{i}", p, sampling) for i, p in enumerate(prompts)]
+        for seq in seqs:
+            self.add_request(seq)
+        while any(s.status is not SequenceStatus.FINISHED for s in seqs):
+            self.step()
+        return [s.output_token_ids for s in seqs]
+
     # ------------------------------------------------------------ the loop
 
     def step(self) -> list[StepOutput]:
@@ -148,7 +160,8 @@ class LLMEngine:
             seq.num_chunks_sent += 1
         self.stats.num_steps += 1
         results: list[StepOutput] = []
-        for (seq, n), row in zip(batch, logits, strict=True):
+        greedy = logits.argmax(-1).tolist()  # one argmax for the batch; sampled rows draw their own
+        for (seq, n), row, argmax in zip(batch, logits, greedy, strict=True):
             start = seq.num_computed_tokens
             in_prompt = max(0, min(start + n, seq.num_prompt_tokens) - start)
             self.stats.num_prompt_tokens_computed += in_prompt
@@ -157,7 +170,7 @@ class LLMEngine:
             self.block_manager.cache_full_blocks(seq)
             if seq.num_computed_tokens < len(seq):
                 continue  # a prefill chunk short of the prompt's end: nothing to sample
-            token = seq.sampler.sample(row)
+            token = argmax if seq.sampling.temperature == 0 else seq.sampler.sample(row)
             logprobs = seq.sampler.logprobs(row, token)
             if seq.stop_after_prefill:
                 self.scheduler.remove(seq)

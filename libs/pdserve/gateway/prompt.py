@@ -1,6 +1,6 @@
 """From a validated OpenAI request to what the coordinator needs: prompt token ids, sampling, stop strings.
 
-The chat template and the tokenizer are the model's own (`pdserve.engine.loader.load_tokenizer`). The
+The chat template and the tokenizer are the model's own (`pdserve.engine.tokenizer.load_tokenizer`). The
 context check is vLLM's: prompt tokens + max_tokens must fit in `max_model_len`, else 400.
 """
 

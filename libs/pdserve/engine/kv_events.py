@@ -1,0 +1,34 @@
+"""KV cache events (vLLM's `BlockStored` / `BlockRemoved` / `AllBlocksCleared`): what a worker's prefix
+cache gained or lost, as the block manager records them and the router's index consumes them."""
+
+from __future__ import annotations
+
+from typing import Literal
+
+from pydantic import BaseModel, ConfigDict
+
+
+class _KVEvent(BaseModel):
+    model_config = ConfigDict(frozen=True, extra="forbid")
+
+
+class BlockStored(_KVEvent):
+    """Full blocks now held in the worker's prefix cache, in chain order (`block_hashes[0]`'s parent is
+    `parent_block_hash`; None = the sequence's first block). Hashes: `pdserve.engine.block_hash`."""
+
+    kind: Literal["BlockStored"] = "BlockStored"
+    block_hashes: tuple[int, ...]
+    parent_block_hash: int | None = None
+
+
+class BlockRemoved(_KVEvent):
+    """Blocks evicted from the worker's prefix cache."""
+
+    kind: Literal["BlockRemoved"] = "BlockRemoved"
+    block_hashes: tuple[int, ...]
+
+
+class AllBlocksCleared(_KVEvent):
+    """Sent at every worker start: whatever an index held for this worker is gone."""
+
+    kind: Literal["AllBlocksCleared"] = "AllBlocksCleared"
