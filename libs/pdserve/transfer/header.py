@@ -39,11 +39,6 @@ class ChunkHeader(Message):
     payload_tag: int = 0
     piece_bytes: int = Field(default=0, ge=0)
 
-    @property
-    def num_pieces(self) -> int:
-        """Pieces the payload travels in (1 when `piece_bytes` is 0 or not smaller than `nbytes`)."""
-        return len(piece_ranges(self.nbytes, self.piece_bytes))
-
 
 class FinishMarker(Message):
     """End of a transfer: the receiver completes it once all `num_layers * num_chunks` chunks verified."""

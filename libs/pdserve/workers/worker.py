@@ -60,7 +60,7 @@ from pdserve.transfer.base import ChecksumMismatchError, KVTransport, TransferSt
 from pdserve.workers.engine_loop import EngineLoop
 from pdserve.workers.kv_events import KVEventPublisher
 from pdserve.workers.kv_transfer import InboundKV, OutboundKV
-from pdserve.workers.slots import Slot, SlotTable
+from pdserve.workers.reserved_kv import ReservedKV, ReservedKVTable
 
 log = logging.getLogger(__name__)
 tracer = trace.get_tracer("pdserve.worker")
@@ -101,11 +101,13 @@ class Worker:
         self.transfers_sent = 0  # KV transfers this worker began sending (drives kv_corrupt_every_n)
         # Received KV is scattered into the blocks here, one chunk at a time, off the event loop.
         self.scatter_pool = ThreadPoolExecutor(max_workers=1, thread_name_prefix=f"{self.worker_id}-scatter")
-        self.slots = SlotTable()
+        self.reserved = ReservedKVTable()
         self.prefilling: dict[str, Sequence] = {}  # prefill role: sequences computing for a decode worker
         self.compute = asyncio.Lock()  # one engine call at a time on this worker's core
-        self.loop = EngineLoop(self)
         self.kv_events = KVEventPublisher(bus, self.worker_id, self.engine.block_manager)
+        self.loop = EngineLoop(self.engine, self.compute, bus, self.worker_id,
+                               commit_every_tokens=settings.commit_every_tokens,
+                               after_step=self.kv_events.flush)
         cfg = loaded.config
         self.descriptor = CompatibilityDescriptor(
             model=loaded.name,
@@ -130,7 +132,7 @@ class Worker:
                 RejectCode.INVALID,
                 f"{len(req.prompt_token_ids)} prompt token ids for num_prompt_tokens {req.num_prompt_tokens}",
             )
-        if self.slots.get(req.request_id) is not None:
+        if self.reserved.get(req.request_id) is not None:
             raise RejectedError(RejectCode.DUPLICATE, f"request {req.request_id} already reserved")
         prompt = req.prompt_token_ids or (0,) * req.num_prompt_tokens  # placeholder until `start` tells
         seq = Sequence(req.request_id, prompt, cache_salt=req.cache_salt)
@@ -143,14 +145,15 @@ class Worker:
                 raise RejectedError(RejectCode.CAPACITY, str(e)) from e
         if known:
             self._count_prefix_cache(req.num_prompt_tokens, seq.num_cached_tokens)
-        slot = Slot(req.request_id, req.transfer_id, seq, lease_deadline=time.monotonic() + req.lease_s)
+        held = ReservedKV(req.request_id, req.transfer_id, seq,
+                          lease_deadline=time.monotonic() + req.lease_s)
         if self.transport is not None:
             try:
-                slot.kv = self._expect(req, seq)
+                held.kv = self._expect(req, seq)
             except ValueError as e:
                 await self._free(seq)
                 raise RejectedError(RejectCode.DUPLICATE, str(e)) from e
-        self.slots.add(slot)
+        self.reserved.add(held)
         endpoint = (
             self.transport.endpoint() if self.transport else KVEndpoint(transport="tcp", address="local")
         )
@@ -193,18 +196,18 @@ class Worker:
             await self.loop.finish_now(req.request_id, req.finish_reason)
         self.loop.stop(req.request_id)
         self.loop.fail_prefill(req.request_id, req.reason)
-        slot = self.slots.pop(req.request_id)
-        if slot is not None:
-            await self._free_slot(slot)
+        held = self.reserved.pop(req.request_id)
+        if held is not None:
+            await self._free_reserved(held)
         elif (seq := self.prefilling.pop(req.request_id, None)) is not None:
             await self._free(seq)
         return Ack()
 
-    async def _free_slot(self, slot: Slot) -> None:
-        """Free a popped slot's blocks once nothing writes into them any more."""
-        if slot.kv is not None:
-            await slot.kv.drained()
-        await self._free(slot.seq)
+    async def _free_reserved(self, held: ReservedKV) -> None:
+        """Free popped reserved KV once nothing writes into its blocks any more."""
+        if held.kv is not None:
+            await held.kv.drained()
+        await self._free(held.seq)
 
     async def _free(self, seq: Sequence) -> None:
         async with self.compute:
@@ -221,16 +224,16 @@ class Worker:
             )
         outbound: OutboundKV | None = None
         if local:
-            slot = self.slots.get(req.request_id)
-            if slot is None or slot.seq.status is not SequenceStatus.RESERVED:
+            held = self.reserved.get(req.request_id)
+            if held is None or held.seq.status is not SequenceStatus.RESERVED:
                 raise RejectedError(
                     RejectCode.NOT_FOUND, f"no reservation awaiting prefill for {req.request_id}"
                 )
-            if slot.kv is not None:  # prefilled here: no KV will arrive for this reservation
-                slot.kv.cancel()
-                await slot.kv.drained()
-                slot.kv = None
-            seq = slot.seq
+            if held.kv is not None:  # prefilled here: no KV will arrive for this reservation
+                held.kv.cancel()
+                await held.kv.drained()
+                held.kv = None
+            seq = held.seq
             seq.token_ids = list(req.prompt_token_ids)  # the reserved ids may have been a placeholder
             seq.set_sampling(req.sampling)
             first = self.loop.expect_prefill(req.request_id)
@@ -300,10 +303,10 @@ class Worker:
     # ------------------------------------------------------------ start decode
 
     async def start(self, req: StartDecode) -> DecodeAdmitted:
-        slot = self.slots.get(req.request_id)
-        if slot is None or slot.transfer_id != req.transfer_id:
+        held = self.reserved.get(req.request_id)
+        if held is None or held.transfer_id != req.transfer_id:
             raise RejectedError(RejectCode.NOT_FOUND, f"no reservation for transfer {req.transfer_id}")
-        seq = slot.seq
+        seq = held.seq
         if len(req.prompt_token_ids) != seq.num_prompt_tokens:
             raise RejectedError(
                 RejectCode.INVALID,
@@ -312,11 +315,11 @@ class Worker:
             )
         if seq.status is SequenceStatus.RESERVED:
             seq.token_ids = list(req.prompt_token_ids)  # the reserved ids may have been a placeholder
-        slot.started = True
+        held.started = True
         kv_bytes, transfer_s, transfer_done_ts = 0, 0.0, time.time()
-        if slot.kv is not None:
+        if held.kv is not None:
             try:
-                stats = await slot.kv.ready()
+                stats = await held.kv.ready()
             except ChecksumMismatchError as e:
                 metrics.CHECKSUM_FAILURES.labels(worker_id=self.worker_id).inc()
                 await self.bus.emit(
@@ -333,14 +336,14 @@ class Worker:
             except TransferTimeout as e:
                 await self._drop(req.request_id)
                 raise RejectedError(RejectCode.TRANSFER_FAILED, f"transfer timed out: {e}") from e
-            kv_bytes, transfer_s, transfer_done_ts = stats.kv_bytes, stats.seconds, slot.kv.ready_ts
+            kv_bytes, transfer_s, transfer_done_ts = stats.kv_bytes, stats.seconds, held.kv.ready_ts
             async with self.compute:  # verified and scattered: now, and only now, the blocks count
                 self.engine.mark_computed(seq, len(seq))
             await self.kv_events.flush()
         elif seq.status is not SequenceStatus.PARKED:
             raise RejectedError(RejectCode.NOT_FOUND, f"{req.request_id} was not prefilled here")
         seq.output_start_index = req.output_start_index
-        if slot.kv is not None:
+        if held.kv is not None:
             seq.set_sampling(req.sampling)
         with tracer.start_as_current_span("decode.admit") as span:
             span.set_attribute("pdserve.request_id", req.request_id)
@@ -360,9 +363,9 @@ class Worker:
         )
 
     async def _drop(self, request_id: str) -> None:
-        slot = self.slots.pop(request_id)
-        if slot is not None:
-            await self._free_slot(slot)
+        held = self.reserved.pop(request_id)
+        if held is not None:
+            await self._free_reserved(held)
 
     # ------------------------------------------------------------ heartbeats and leases
 
@@ -375,7 +378,7 @@ class Worker:
             role=self.role,
             descriptor=self.descriptor,
             num_running=self.loop.num_running,
-            num_waiting=len(self.engine.scheduler.waiting) + self.slots.num_waiting(),
+            num_waiting=len(self.engine.scheduler.waiting) + self.reserved.num_waiting(),
             kv_capacity_tokens=bm.num_blocks * bm.block_size,
             kv_free_tokens=bm.num_free_blocks * bm.block_size,
             ts=time.time(),
@@ -395,7 +398,7 @@ class Worker:
     async def run_heartbeats(self) -> None:
         """Publish a heartbeat (and a KV digest) every interval; free reservations whose lease expired."""
         while True:
-            for request_id in self.slots.expired(time.monotonic()):
+            for request_id in self.reserved.expired(time.monotonic()):
                 log.warning("%s: lease of %s expired unstarted; freeing", self.worker_id, request_id)
                 await self._drop(request_id)
             await self.bus.publish(self.bus.subjects.heartbeat(self.worker_id), self.heartbeat())
