@@ -246,11 +246,18 @@ class RouteDecision(Message):
 # ---------------------------------------------------------------- coordinator ↔ workers
 
 
+class KVTransportKind(StrEnum):
+    """How KV moves between workers (`pdserve.transfer.make_transport`)."""
+
+    UCXX = "ucxx"  # UCX: shared memory on one host, RDMA or TCP across hosts
+    TCP = "tcp"  # plain asyncio TCP: the no-RDMA baseline
+
+
 class KVEndpoint(Message):
     """Where a decode worker receives KV: transport kind and its address (base64 UCX worker address,
     or host:port for tcp)."""
 
-    transport: Literal["ucxx", "tcp"]
+    transport: KVTransportKind
     address: str
 
 

@@ -9,8 +9,10 @@ from __future__ import annotations
 from dataclasses import dataclass
 from pathlib import Path
 
+from pdserve.config import ModelName
+
 MODES = ("disaggregated", "colocated")
-MODELS = ("smollm2", "tiny")
+MODELS = tuple(ModelName)
 
 
 @dataclass(frozen=True)

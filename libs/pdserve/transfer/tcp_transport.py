@@ -14,7 +14,7 @@ import socket
 
 import numpy as np
 
-from pdserve.messages import KVEndpoint
+from pdserve.messages import KVEndpoint, KVTransportKind
 from pdserve.transfer.base import TransferError
 from pdserve.transfer.checksum import xxh3_hex_async
 from pdserve.transfer.chunked import ChunkedTransport, flip_one_byte
@@ -46,7 +46,7 @@ class TcpTransport(ChunkedTransport):
     """`KVTransport` over asyncio TCP sockets. The endpoint address is `host:port` of the listening socket
     (port 0 is bound and the real port published: a port left in TIME_WAIT cannot be rebound)."""
 
-    kind = "tcp"
+    kind = KVTransportKind.TCP
 
     def __init__(self, host: str = "127.0.0.1") -> None:
         super().__init__()
@@ -72,7 +72,7 @@ class TcpTransport(ChunkedTransport):
     def endpoint(self) -> KVEndpoint:
         if self._address is None:
             raise RuntimeError("TcpTransport is not started")
-        return KVEndpoint(transport="tcp", address=self._address)
+        return KVEndpoint(transport=KVTransportKind.TCP, address=self._address)
 
     async def stop(self) -> None:
         for task in list(self._tasks):

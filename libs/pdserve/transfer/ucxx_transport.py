@@ -34,7 +34,7 @@ import numpy as np
 from ucxx._lib.arr import Array
 from ucxx.types import Tag
 
-from pdserve.messages import KVEndpoint
+from pdserve.messages import KVEndpoint, KVTransportKind
 from pdserve.transfer.base import TransferError
 from pdserve.transfer.checksum import StreamingXxh3, xxh3_hex_async
 from pdserve.transfer.chunked import ChunkedTransport, flip_one_byte
@@ -99,7 +99,7 @@ class UcxxTransport(ChunkedTransport):
     """`KVTransport` over UCX tagged messages. At most one is started per process (it owns the process's
     UCX worker); `start()` raises RuntimeError for a second."""
 
-    kind = "ucxx"
+    kind = KVTransportKind.UCXX
 
     def __init__(self) -> None:
         super().__init__()
@@ -124,7 +124,7 @@ class UcxxTransport(ChunkedTransport):
     def endpoint(self) -> KVEndpoint:
         if self._address is None:
             raise RuntimeError("UcxxTransport is not started")
-        return KVEndpoint(transport="ucxx", address=self._address)
+        return KVEndpoint(transport=KVTransportKind.UCXX, address=self._address)
 
     async def stop(self) -> None:
         global _context_owner

@@ -28,7 +28,7 @@ from concurrent.futures import ThreadPoolExecutor
 from opentelemetry import trace
 
 from pdserve.bus import Bus, RejectedError
-from pdserve.config import WorkerSettings
+from pdserve.config import KVTransferMode, WorkerSettings
 from pdserve.engine.llm_engine import CannotFit, EngineConfig, LLMEngine, NoFreeBlocks
 from pdserve.engine.loader import LoadedModel
 from pdserve.engine.model import LlamaModel
@@ -46,6 +46,7 @@ from pdserve.messages import (
     DecodeAdmitted,
     Heartbeat,
     KVEndpoint,
+    KVTransportKind,
     PrefillRequest,
     PrefillResult,
     RejectCode,
@@ -65,8 +66,6 @@ from pdserve.workers.reserved_kv import ReservedKV, ReservedKVTable
 log = logging.getLogger(__name__)
 tracer = trace.get_tracer("pdserve.worker")
 
-TRANSFER_MODES = ("layerwise", "naive")
-
 LAYOUT_VERSION = (
     2  # per layer [num_blocks, block_size, 2, kv_heads, head_dim] fp32; transfers carry token rows
 )
@@ -79,7 +78,7 @@ class Worker:
         self.bus = bus
         self.settings = settings
         self.worker_id = settings.worker_id
-        self.role = Role(settings.role)
+        self.role = settings.role
         self.loaded = loaded
         self.model = LlamaModel(loaded.config, loaded.weights)
         self.engine = LLMEngine(
@@ -93,10 +92,6 @@ class Worker:
             ),
             loaded.tokenizer.stop_token_ids,
         )
-        if settings.kv_transfer_mode not in TRANSFER_MODES:
-            raise ValueError(
-                f"kv_transfer_mode {settings.kv_transfer_mode!r}: expected one of {TRANSFER_MODES}"
-            )
         self.transport = transport
         self.transfers_sent = 0  # KV transfers this worker began sending (drives kv_corrupt_every_n)
         # Received KV is scattered into the blocks here, one chunk at a time, off the event loop.
@@ -154,9 +149,8 @@ class Worker:
                 await self._free(seq)
                 raise RejectedError(RejectCode.DUPLICATE, str(e)) from e
         self.reserved.add(held)
-        endpoint = (
-            self.transport.endpoint() if self.transport else KVEndpoint(transport="tcp", address="local")
-        )
+        endpoint = (self.transport.endpoint() if self.transport
+                    else KVEndpoint(transport=KVTransportKind.TCP, address="local"))
         return Reservation(
             request_id=req.request_id,
             transfer_id=req.transfer_id,
@@ -245,7 +239,7 @@ class Worker:
             seq.num_sent_tokens = req.decode_num_cached_tokens
             self._inject_faults()
             outbound = OutboundKV(self.transport, req, self.loaded.config.num_layers,
-                                  naive=self.settings.kv_transfer_mode == "naive")
+                                  naive=self.settings.kv_transfer_mode is KVTransferMode.NAIVE)
             seq.kv_sink = outbound.on_layer
             first = self.loop.expect_prefill(req.request_id)
             async with self.compute:
