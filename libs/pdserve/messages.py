@@ -229,8 +229,12 @@ class CandidateCost(Message):
     active_decode_blocks: int = 0
 
 
-class RouteDecision(Message):
-    request_id: str
+class RouteOutcome(BaseModel):
+    """Where the router places a request, and what it decided from: defined once for the reply
+    (`RouteDecision`) and the event that records it (`events.RequestRouted`)."""
+
+    model_config = ConfigDict(frozen=True)
+
     mode: Literal["disaggregated", "local", "colocated"]
     prefill_worker_id: str
     decode_worker_id: str
@@ -241,6 +245,10 @@ class RouteDecision(Message):
     block_size: int = 0
     prompt_block_hashes: tuple[int, ...] = Field(
         (), description="The prompt's chained block hashes: what offline replay re-decides with.")
+
+
+class RouteDecision(Message, RouteOutcome):
+    request_id: str
 
 
 # ---------------------------------------------------------------- coordinator ↔ workers
@@ -296,14 +304,24 @@ class PrefillRequest(Message):
     cache_salt: str | None = Field(None, description="Extra prefix-cache key (Submit.cache_salt).")
 
 
-class PrefillResult(Message):
-    request_id: str
+class PrefillOutcome(BaseModel):
+    """What a prefill produced, defined once for the reply (`PrefillResult`) and the event
+    (`events.PrefillCompleted`). `num_cached_tokens` of the prompt were found in the prefill worker's
+    prefix cache, `num_computed_tokens` computed; `kv_bytes` of KV sent (the event: when the compute
+    ended; the reply: once every send was delivered); `prefill_s` seconds of compute."""
+
+    model_config = ConfigDict(frozen=True)
+
     transfer_id: str
     first_token_id: int
     num_cached_tokens: int
     num_computed_tokens: int
     kv_bytes: int
     prefill_s: float
+
+
+class PrefillResult(Message, PrefillOutcome):
+    request_id: str
     first_token_logprobs: TokenLogprobs | None = None
 
 

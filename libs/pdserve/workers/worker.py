@@ -47,6 +47,7 @@ from pdserve.messages import (
     Heartbeat,
     KVEndpoint,
     KVTransportKind,
+    PrefillOutcome,
     PrefillRequest,
     PrefillResult,
     RejectCode,
@@ -268,23 +269,22 @@ class Worker:
             # (benchmarks/exposed_transfer.py measures it from this event to TransferCompleted).
             prefill_s = time.perf_counter() - t0
             cached = seq.num_cached_tokens
-            kv_bytes = outbound.kv_bytes if outbound is not None else 0
-            # What the event and the reply share (the reply's kv_bytes: once every send is delivered).
-            outcome = dict(transfer_id=req.transfer_id, first_token_id=first_token, num_cached_tokens=cached,
-                           num_computed_tokens=num_prompt - cached, prefill_s=prefill_s)
-            await self.bus.emit(
-                req.request_id,
-                PrefillCompleted(prefill_worker_id=self.worker_id, kv_bytes=kv_bytes, **outcome),
-                self.worker_id,
+            # What the event and the reply share; the event's kv_bytes are those sent so far.
+            outcome = PrefillOutcome(
+                transfer_id=req.transfer_id, first_token_id=first_token, num_cached_tokens=cached,
+                num_computed_tokens=num_prompt - cached, prefill_s=prefill_s,
+                kv_bytes=outbound.kv_bytes if outbound is not None else 0,
             )
+            completed = PrefillCompleted(prefill_worker_id=self.worker_id, **dict(outcome))
+            await self.bus.emit(req.request_id, completed, self.worker_id)
             span.set_attribute("pdserve.num_cached_tokens", cached)
             if outbound is not None:  # (a local prefill's cache lookup was counted at its reservation)
                 self._count_prefix_cache(num_prompt, cached)
                 self.prefilling.pop(req.request_id, None)
-                kv_bytes = await outbound.complete(seq.num_chunks_sent)
-        return PrefillResult(
-            request_id=req.request_id, kv_bytes=kv_bytes, first_token_logprobs=first_logprobs, **outcome
-        )
+                # The reply's kv_bytes: once every send is delivered.
+                delivered = await outbound.complete(seq.num_chunks_sent)
+                outcome = outcome.model_copy(update={"kv_bytes": delivered})
+        return PrefillResult(request_id=req.request_id, first_token_logprobs=first_logprobs, **dict(outcome))
 
     def _inject_faults(self) -> None:
         """Fault injection (`kv_corrupt_every_n`, tests only): the 1st, (n+1)-th, ... transfer gets one
