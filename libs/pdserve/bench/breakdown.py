@@ -11,8 +11,9 @@ from dataclasses import dataclass
 
 import sqlalchemy as sa
 
+from pdserve.states import TERMINAL_STATES
 from pdserve.store.queries import make_engine
-from pdserve.store.tables import TERMINAL_STATES, requests
+from pdserve.store.tables import requests
 
 BREAKDOWN_STAGES = ("queue_s", "route_s", "reserve_s", "prefill_s", "exposed_transfer_s", "first_token_s")
 

@@ -20,6 +20,7 @@ from pdserve.lifecycle.liveness import WorkerLiveness
 from pdserve.lifecycle.recovery import Unfinished, Unresumable, plan, read_log
 from pdserve.lifecycle.request import RequestLifecycle, ResumePoint
 from pdserve.messages import Abort, Accepted, Ack, DecodeFinished, RejectCode, Submit, TokenChunk
+from pdserve.states import Phase, RecoveryAction
 from pdserve.telemetry import metrics
 
 log = logging.getLogger(__name__)
@@ -126,7 +127,8 @@ class Coordinator:
             if isinstance(found, Unresumable):
                 await self._fail_unresumable(found)
             elif isinstance(found, Unfinished):
-                action = "watch decode" if found.resume.decode_worker_id else "re-prefill"
+                action = (RecoveryAction.WATCH_DECODE if found.resume.decode_worker_id
+                          else RecoveryAction.RE_PREFILL)
                 await self.bus.emit(
                     request_id,
                     RequestRecovered(
@@ -144,7 +146,7 @@ class Coordinator:
 
     async def _fail_unresumable(self, found: Unresumable) -> None:
         log.warning("request %s cannot be resumed: %s", found.request_id, found.reason)
-        await self.bus.emit(found.request_id, RequestFailed(phase="recovery", reason=found.reason))
+        await self.bus.emit(found.request_id, RequestFailed(phase=Phase.RECOVERY, reason=found.reason))
         await self.bus.publish(
             self.bus.subjects.tokens(found.request_id),
             TokenChunk(request_id=found.request_id, index=0, error=f"recovery: {found.reason}"),

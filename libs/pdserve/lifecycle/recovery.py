@@ -21,11 +21,11 @@ from pdserve.events import Event, RequestMigrated, RequestReceived
 from pdserve.lifecycle.journal import committed_tokens, read_stream
 from pdserve.lifecycle.request import ResumePoint
 from pdserve.messages import Submit
+from pdserve.states import TERMINAL_STATES, RequestState
 from pdserve.store import queries
 from pdserve.store.projection import fold
 from pdserve.store.recorder import DURABLE
 from pdserve.store.rows import RecordedEvent
-from pdserve.store.tables import TERMINAL_STATES
 
 log = logging.getLogger(__name__)
 
@@ -94,9 +94,10 @@ def plan(request_id: str, history: list[RecordedEvent]) -> Unfinished | Unresuma
         received_ts=payload.received_ts if payload.received_ts is not None else received.ts,
     )
     holders = frozenset(w for w in (row["prefill_worker_id"], row["decode_worker_id"]) if w)
-    decoding = row["state"] == "decoding"
+    state = RequestState(row["state"])
+    decoding = state is RequestState.DECODING
     resume = ResumePoint(
-        state=row["state"],
+        state=state,
         decode_worker_id=row["decode_worker_id"] if decoding else None,
         holders=holders,
         committed=tuple(committed_tokens(events)),

@@ -14,6 +14,7 @@ import sqlalchemy as sa
 from sqlalchemy.ext.asyncio import AsyncConnection, AsyncEngine, create_async_engine
 
 from pdserve.events import Event
+from pdserve.states import TERMINAL_STATES
 from pdserve.store.projection import Row, apply
 from pdserve.store.rows import (
     ROWS_PER_STATEMENT,
@@ -23,7 +24,7 @@ from pdserve.store.rows import (
     row_event,
     upsert_requests,
 )
-from pdserve.store.tables import REQUEST_STATES, TERMINAL_STATES, events, requests
+from pdserve.store.tables import REQUEST_STATES, events, requests
 
 
 def make_engine(url: str, **kwargs) -> AsyncEngine:
@@ -104,7 +105,7 @@ async def _records(conn: AsyncConnection, rid: str, since: datetime | None) -> l
 async def unfinished_requests(engine: AsyncEngine) -> list[Row]:
     """Projection rows of every request not yet completed, failed or aborted, oldest first (what the
     coordinator resumes at start, once `recorder.caught_up` says Postgres holds every event)."""
-    q = (sa.select(requests).where(requests.c.state.not_in(sorted(TERMINAL_STATES)))
+    q = (sa.select(requests).where(requests.c.state.not_in(sorted(map(str, TERMINAL_STATES))))
          .order_by(requests.c.received_at.nulls_first(), requests.c.request_id))
     async with engine.connect() as conn:
         return [request_dict(r) for r in (await conn.execute(q)).mappings()]

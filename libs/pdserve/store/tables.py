@@ -13,13 +13,12 @@ from __future__ import annotations
 import sqlalchemy as sa
 from sqlalchemy.dialects.postgresql import JSONB
 
+from pdserve.states import RequestState
+
 metadata = sa.MetaData()
 
-REQUEST_STATES = (
-    "received", "routed", "reserved", "prefilling", "transferred", "decoding", "migrating", "recovering",
-    "completed", "failed", "aborted",
-)
-TERMINAL_STATES = frozenset({"completed", "failed", "aborted"})
+# The values `requests.state` may hold: `pdserve.states.RequestState`, in lifecycle order.
+REQUEST_STATES: tuple[str, ...] = tuple(s.value for s in RequestState)
 
 events = sa.Table(
     "events",
