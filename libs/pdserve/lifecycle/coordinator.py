@@ -30,13 +30,13 @@ RECOVERY_BACKOFF_S = (0.5, 5.0)
 
 
 class Coordinator:
-    """Lifecycle: `Coordinator(bus, settings, engine)` → `await serve()` (handlers, liveness, recovery in
-    the background) → `await stop()`. `engine` (the event store) may be None: then nothing is recovered."""
+    """Lifecycle: `Coordinator(bus, settings, db)` → `await serve()` (handlers, liveness, recovery in
+    the background) → `await stop()`. `db` (the event store) may be None: then nothing is recovered."""
 
-    def __init__(self, bus: Bus, settings: CoordinatorSettings, engine: AsyncEngine | None = None) -> None:
+    def __init__(self, bus: Bus, settings: CoordinatorSettings, db: AsyncEngine | None = None) -> None:
         self.bus = bus
         self.settings = settings
-        self.engine = engine
+        self.db = db
         self.liveness = WorkerLiveness(bus, settings.worker_timeout_s)
         self.active: dict[str, tuple[RequestLifecycle, asyncio.Task]] = {}
         self.unclaimed: dict[str, tuple[float, DecodeFinished]] = {}
@@ -99,7 +99,7 @@ class Coordinator:
         await self.bus.serve(s.finished, DecodeFinished, self.finished)
         await self.bus.serve(s.abort, Abort, self.abort)
         await self.bus.serve(s.submit, Submit, self.submit, queue="coordinator")
-        if self.settings.recover_on_start and self.engine is not None:
+        if self.settings.recover_on_start and self.db is not None:
             self.bus.spawn(self.recover())
         else:
             self.recovered.set()
@@ -107,11 +107,11 @@ class Coordinator:
     async def recover(self) -> int:
         """Resume every unfinished request of the log; retried with backoff while Postgres or NATS cannot
         be read (new requests are served meanwhile). Returns the number resumed."""
-        assert self.engine is not None
+        assert self.db is not None
         delay = RECOVERY_BACKOFF_S[0]
         while True:
             try:
-                histories = await read_log(self.bus, self.engine)
+                histories = await read_log(self.bus, self.db)
                 break
             except Exception as e:  # Postgres or NATS down: the log is still there; wait for it
                 log.warning(

@@ -17,7 +17,7 @@ from pydantic import ValidationError
 
 from pdserve.bus import Bus
 from pdserve.events import Event, TokensCommitted
-from pdserve.store.rows import RecordedEvent
+from pdserve.store import RecordedEvent
 
 log = logging.getLogger(__name__)
 

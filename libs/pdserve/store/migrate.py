@@ -49,9 +49,9 @@ def _check_name(name: str) -> str:
 
 async def _admin(admin_url: str, statements: list[str], exists_check: str | None = None) -> None:
     # CREATE/DROP DATABASE cannot run inside a transaction block.
-    engine = create_async_engine(admin_url, isolation_level="AUTOCOMMIT", poolclass=NullPool)
+    db = create_async_engine(admin_url, isolation_level="AUTOCOMMIT", poolclass=NullPool)
     try:
-        async with engine.connect() as conn:
+        async with db.connect() as conn:
             if exists_check is not None:
                 found = await conn.scalar(sa.text("SELECT 1 FROM pg_database WHERE datname = :n"),
                                           {"n": exists_check})
@@ -60,7 +60,7 @@ async def _admin(admin_url: str, statements: list[str], exists_check: str | None
             for stmt in statements:
                 await conn.execute(sa.text(stmt))
     finally:
-        await engine.dispose()
+        await db.dispose()
 
 
 def database_url(admin_url: str, name: str) -> str:
