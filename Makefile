@@ -68,8 +68,11 @@ logs:
 test: venv
 	$(BIN)/pytest -q $(ARGS)
 
+# lint-imports checks the layering contracts of .importlinter; tests/import_graph.py runs it over a view
+# of the tree that puts kernels/ and services/ inside pdserve, as they are installed.
 lint: venv
 	$(BIN)/ruff check .
+	$(BIN)/python -m tests.import_graph
 
 trace: venv
 	@if [ -z "$(ID)" ]; then echo "usage: make trace ID=<request_id>"; exit 2; fi
