@@ -5,7 +5,7 @@
 #   make down | status | logs [SERVICE=gateway] | test [ARGS=...] | lint | trace ID=... | replay [ID=...] | bench
 #
 # `up` uses Docker Compose when a Docker engine answers (`docker info`), else `pdserve up`: nats-server and
-# Postgres embedded from wheels, every service a supervised process, logs in var/log (DESIGN §7).
+# Postgres embedded from wheels, every service a supervised process, logs in var/log (docs/architecture.md §9).
 
 SHELL := /bin/bash
 PYTHON ?= python3

@@ -503,7 +503,8 @@ transaction per ≤ 250 ms of events, `PDS_LINGER_S`; at 50 ms this benchmark me
 ## Durability decision
 
 JetStream acknowledges a publish once the message is in the server's file store, not once it is fsynced
-(the server syncs every 2 minutes by default; DESIGN §9). pdserve keeps the default: Postgres is the
+(the server syncs every 2 minutes by default; docs/architecture.md §10). pdserve keeps the default: Postgres
+is the
 record (the recorder acks only after its transaction commits, and Postgres fsyncs each commit), JetStream is
 the buffer in front of it, and with the recorder caught up (lag above) an event spends well under a second
 unsynced in the buffer alone. Losing it needs the NATS host to lose power in that window — not a process

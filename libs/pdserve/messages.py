@@ -119,7 +119,7 @@ class SamplingParams(Message):
 
 
 class CompatibilityDescriptor(Message):
-    """What must match for a prefill worker's KV to be usable by a decode worker (DESIGN §5)."""
+    """What must match for a prefill worker's KV to be usable by a decode worker (docs/architecture.md §6)."""
 
     model: str
     weights_hash: str

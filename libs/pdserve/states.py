@@ -1,5 +1,5 @@
 """The request state machine: the states a request's log folds to, the phases of the coordinator's
-lifecycle, and the one transition table both follow (docs/architecture.md §5).
+lifecycle, and the one transition table both follow (docs/architecture.md §4).
 
 `TRANSITIONS` says which event moves a request to which state, and in which phase of the coordinator's
 lifecycle (`pdserve.lifecycle.request`) that event is emitted. The projection (`pdserve.store.projection`)
@@ -147,7 +147,7 @@ def next_state(state: str, payload: Payload) -> RequestState | None:
 
 
 def mermaid() -> str:
-    """The state machine as a mermaid `stateDiagram-v2` (docs/architecture.md §5 shows this text). No
+    """The state machine as a mermaid `stateDiagram-v2` (docs/architecture.md §4 shows this text). No
     transition requires a previous state, so each is an edge from `live`, which stands for any
     non-terminal state; a request's first event makes it `received`."""
     lines = ["stateDiagram-v2", f"    [*] --> {RequestState.RECEIVED.value}: {RequestReceived.type}"]

@@ -1,5 +1,6 @@
 """The server's side of TTFT, joined from the event log: each request's `requests` projection row (queue,
-route, reserve, prefill, exposed transfer, first token — DESIGN §6) keyed by the `X-Request-Id` the
+route, reserve, prefill, exposed transfer, first token — docs/architecture.md §8) keyed by the `X-Request-Id`
+the
 gateway returned."""
 
 from __future__ import annotations

@@ -1,4 +1,5 @@
-"""`pdserve replay`: rebuild the `requests` projection from the events table (DESIGN §4), or, with
+"""`pdserve replay`: rebuild the `requests` projection from the events table (docs/architecture.md §7), or,
+with
 `--request ID`, print that request's lifecycle in stream order with its projection row.
 
 The database is `--database-url`, else `$PDS_DATABASE_URL`, else the one a running `pdserve up` stack

@@ -1,4 +1,4 @@
-"""The gateway's FastAPI app: the OpenAI-compatible HTTP edge of pdserve (DESIGN §2, step 1).
+"""The gateway's FastAPI app: the OpenAI-compatible HTTP edge of pdserve (docs/architecture.md §3, step 1).
 
 Routes: POST /v1/completions, POST /v1/chat/completions (stream or not), GET /v1/models[/{model}],
 GET /v1/requests/{request_id} (a request's lifecycle from the event store), GET

@@ -1,6 +1,7 @@
 """Coordinator recovery: the unfinished requests of the log, each folded into where it resumes.
 
-DESIGN §4: recovery must see every event published before the crash. Postgres holds every event up to
+docs/architecture.md §7: recovery must see every event published before the crash. Postgres holds every event
+up to
 the recorder's ack floor (it acks only after commit, so every stream sequence ≤ the floor is committed);
 the rest — the stream's tail — is read from JetStream. Together they are the whole log, whether or not
 the recorder is running or caught up. Everything a resumed request needs is in its events: the prompt,

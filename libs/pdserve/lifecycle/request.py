@@ -1,4 +1,4 @@
-"""One request's lifecycle across the pools, owned by the coordinator (DESIGN §2).
+"""One request's lifecycle across the pools, owned by the coordinator (docs/architecture.md §3).
 
 route → reserve decode KV (waiting, bounded, while decode is full) → prefill with the transfer plan →
 start decode (which waits for the KV to arrive verified) → wait for the decode to finish. Every phase

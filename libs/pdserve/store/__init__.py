@@ -1,5 +1,5 @@
 """The event store: every lifecycle event in Postgres (`events`) and one projection row per request
-(`requests`), written only by the recorder (DESIGN §4).
+(`requests`), written only by the recorder (docs/architecture.md §7).
 
 What other packages use is exported here; the modules behind it (tables, rows, projection, recorder
 internals) are the store's own business:

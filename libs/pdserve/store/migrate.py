@@ -1,4 +1,5 @@
-"""Create, drop and migrate event-store databases (Alembic; DESIGN §4: the app never creates tables).
+"""Create, drop and migrate event-store databases (Alembic; docs/architecture.md §7: the app never creates
+tables).
 
 All three are synchronous so a test fixture, `pdserve up` or a shell can call them; each runs its async
 work on a private event loop in a worker thread, so they also work when called from inside a running

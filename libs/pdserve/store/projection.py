@@ -3,9 +3,10 @@
 `apply(row, event)` is used both live (the recorder, per committed batch) and by replay
 (`queries.rebuild_projections`), so replaying the events table gives exactly the rows the recorder
 wrote. Order is the JetStream stream sequence, never `ts`: several services stamp events with their own
-clocks (DESIGN §4).
+clocks (docs/architecture.md §7).
 
-State follows the request state machine, `pdserve.states.TRANSITIONS` (DESIGN §2): received → routed →
+State follows the request state machine, `pdserve.states.TRANSITIONS` (docs/architecture.md §4): received →
+routed →
 reserved → prefilling → transferred → decoding → completed | failed | aborted. A request that leaves its
 placement is `migrating` (`RequestMigrated`: a worker it depended on was lost) or `recovering`
 (`RequestRecovered` by a restarted coordinator that re-prefills it) until its next `RequestRouted`; a

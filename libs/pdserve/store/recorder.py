@@ -1,4 +1,5 @@
-"""The recorder: JetStream events stream → Postgres, the only writer of the event store (DESIGN §4).
+"""The recorder: JetStream events stream → Postgres, the only writer of the event store
+(docs/architecture.md §7).
 
 A durable pull consumer on `settings.events_stream` is read in batches of up to `settings.batch_size`
 events (`BatchPuller`: waiting at most `settings.fetch_timeout_s` for a first event, then `settings.linger_s`
@@ -83,9 +84,9 @@ class Recorder:
 
     Lifecycle: `Recorder(bus, db, settings)`; `await run(stop)` returns once `stop` is set and the
     batch in hand is committed and acked (or, if Postgres is down, nak'ed for redelivery). The caller
-    owns `bus` and `db` and closes them afterwards. Run exactly one recorder per stream (DESIGN §4:
-    a single writer): two folding the first events of one request concurrently could each upsert a row
-    that lacks the other's events.
+    owns `bus` and `db` and closes them afterwards. Run exactly one recorder per stream
+    (docs/architecture.md §7: a single writer): two folding the first events of one request concurrently
+    could each upsert a row that lacks the other's events.
     """
 
     def __init__(

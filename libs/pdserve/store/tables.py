@@ -1,4 +1,4 @@
-"""The event store's tables as SQLAlchemy Core metadata (DESIGN §4).
+"""The event store's tables as SQLAlchemy Core metadata (docs/architecture.md §7).
 
 The schema itself is made by the Alembic migrations in `migrations/`; these definitions are what the
 recorder and the queries read and write, and what `alembic revision --autogenerate` compares against.

@@ -1,4 +1,4 @@
-"""KV cache transfer between prefill and decode workers (DESIGN §3, data plane).
+"""KV cache transfer between prefill and decode workers (docs/architecture.md §6, data plane).
 
 `make_transport("ucxx")` — UCX shared memory (or TCP via `UCX_TLS`), the production path;
 `make_transport("tcp")` — plain asyncio TCP, the no-RDMA baseline. Both implement `KVTransport`.

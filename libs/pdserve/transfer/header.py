@@ -1,5 +1,5 @@
 """The control messages of the KV data plane: one `ChunkHeader` before each payload, one `FinishMarker`
-after a transfer's last chunk (DESIGN §3, data plane).
+after a transfer's last chunk (docs/architecture.md §6, data plane).
 
 On the wire a control message is a 4-byte little-endian length and the message's JSON (pydantic v2),
 at most `MAX_CONTROL_BYTES` in all, so a receiver can post one fixed buffer for it.

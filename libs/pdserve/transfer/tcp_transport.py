@@ -1,9 +1,10 @@
-"""KV transfer over plain asyncio TCP: the no-RDMA baseline behind the same interface (DESIGN §3).
+"""KV transfer over plain asyncio TCP: the no-RDMA baseline behind the same interface
+(docs/architecture.md §6).
 
 One connection per peer, reused; on it each chunk is a length-prefixed `ChunkHeader` then its payload
 bytes, a transfer ends with a `FinishMarker`. The receiver reads payloads with `loop.sock_recv_into`
 straight into the expected transfer's buffer view (`StreamReader.readexactly` into bytes measured
-0.2 GB/s at 256 MiB here, `sock_recv_into` ~3 GB/s — DESIGN §9).
+0.2 GB/s at 256 MiB here, `sock_recv_into` ~3 GB/s — docs/architecture.md §10).
 """
 
 from __future__ import annotations
