@@ -5,7 +5,7 @@
 #   make down | status | logs [SERVICE=gateway] | test [ARGS=...] | lint | trace ID=... | replay [ID=...] | bench
 #
 # `up` uses Docker Compose when a Docker engine answers (`docker info`), else `pdserve up`: nats-server and
-# Postgres embedded from wheels, every service a supervised process, logs in var/log (DESIGN §7).
+# Postgres embedded from wheels, every service a supervised process, logs in var/log (docs/architecture.md §9).
 
 SHELL := /bin/bash
 PYTHON ?= python3
@@ -68,8 +68,11 @@ logs:
 test: venv
 	$(BIN)/pytest -q $(ARGS)
 
+# lint-imports checks the layering contracts of .importlinter; tests/import_graph.py runs it over a view
+# of the tree that puts kernels/ and services/ inside pdserve, as they are installed.
 lint: venv
 	$(BIN)/ruff check .
+	$(BIN)/python -m tests.import_graph
 
 trace: venv
 	@if [ -z "$(ID)" ]; then echo "usage: make trace ID=<request_id>"; exit 2; fi

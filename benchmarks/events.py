@@ -73,7 +73,7 @@ from pdserve.ids import new_id
 from pdserve.messages import FinishReason, SamplingParams
 from pdserve.store.migrate import create_database, drop_database, upgrade
 from pdserve.store.pull import BatchPuller
-from pdserve.store.queries import make_engine
+from pdserve.store.queries import make_db
 from pdserve.store.recorder import caught_up
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -154,21 +154,21 @@ async def publish(bus: Bus, events: list[Event]) -> None:
         await bus.js.publish_async_completed()
 
 
-async def count_events(engine) -> int:
-    async with engine.connect() as conn:
+async def count_events(db) -> int:
+    async with db.connect() as conn:
         return (await conn.execute(sa.text("SELECT count(*) FROM events"))).scalar_one()
 
 
-async def top_seq(engine) -> int:
+async def top_seq(db) -> int:
     """The highest stream sequence in Postgres: an index lookup (a count(*) every few ms over a growing
     table would itself load Postgres). The recorder commits batches in stream order, so everything at or
     below it is recorded, give or take the batch in flight."""
-    async with engine.connect() as conn:
+    async with db.connect() as conn:
         return (await conn.execute(sa.text("SELECT coalesce(max(stream_seq), 0) FROM events"))).scalar_one()
 
 
-async def wait_recorded(engine, n: int, poll_s: float = 0.05) -> None:
-    while await count_events(engine) < n:
+async def wait_recorded(db, n: int, poll_s: float = 0.05) -> None:
+    while await count_events(db) < n:
         await asyncio.sleep(poll_s)
 
 
@@ -178,13 +178,13 @@ async def part_throughput(n_events: int, tmp: Path) -> dict:
     progress of Postgres's highest stream sequence is sampled every 20 ms until it holds the backlog."""
     part = Part("drain", tmp)
     bus = await Bus.connect(part.settings, "bench")
-    engine = make_engine(part.url)
+    db = make_db(part.url)
     try:
         warm = lifecycle(new_id())
         rec = part.recorder()
         await publish(bus, warm)
-        await wait_recorded(engine, len(warm))
-        base = await top_seq(engine)
+        await wait_recorded(db, len(warm))
+        base = await top_seq(db)
         rec.send_signal(signal.SIGSTOP)
         events = [e for _ in range(n_events // 12 + 1) for e in lifecycle(new_id())][:n_events]
         t0 = time.perf_counter()
@@ -195,14 +195,14 @@ async def part_throughput(n_events: int, tmp: Path) -> dict:
         rec.send_signal(signal.SIGCONT)
         t0 = time.perf_counter()
         while not samples or samples[-1][1] < n_events:
-            samples.append((time.perf_counter() - t0, await top_seq(engine) - base))
+            samples.append((time.perf_counter() - t0, await top_seq(db) - base))
             await asyncio.sleep(0.02)
         cpu_us = {k: (v - cpu0.get(k, 0.0)) / n_events * 1e6 for k, v in _drain_cpu_s(rec.pid).items()}
-        assert await count_events(engine) == n_events + len(warm)
+        assert await count_events(db) == n_events + len(warm)
         assert await caught_up(bus)
         bare, bare_cpu_us = await _bare_drain(bus, part.settings.events_stream, n_events + len(warm))
     finally:
-        await engine.dispose()
+        await db.dispose()
         await part.close()
         await bus.close()
     # Steady state: the slope between the first samples past 10% and past 90% of the backlog.
@@ -266,12 +266,12 @@ async def part_lag(rate: float, seconds: float, tmp: Path) -> dict:
     publish time."""
     part = Part("lag", tmp)
     bus = await Bus.connect(part.settings, "bench")
-    engine = make_engine(part.url)
+    db = make_db(part.url)
     part.recorder()
     try:
         warm = lifecycle(new_id())
         await publish(bus, warm)  # the recorder is up and bound before the clock starts
-        await wait_recorded(engine, len(warm))
+        await wait_recorded(db, len(warm))
         n = int(rate * seconds)
         events = [e for _ in range(n // 12 + 1) for e in lifecycle(new_id())][:n]
         payloads = [(bus.subjects.event(e.request_id, e.type), e.model_dump_json().encode(), e.event_id)
@@ -282,7 +282,7 @@ async def part_lag(rate: float, seconds: float, tmp: Path) -> dict:
 
         async def poll() -> None:
             while not stop.is_set() or seen[-1][1] < last_seq:
-                seen.append((time.time(), await top_seq(engine)))
+                seen.append((time.time(), await top_seq(db)))
                 await asyncio.sleep(0.01)
 
         last_seq = 1 << 62
@@ -302,7 +302,7 @@ async def part_lag(rate: float, seconds: float, tmp: Path) -> dict:
         stop.set()
         await asyncio.wait_for(poller, 60)
     finally:
-        await engine.dispose()
+        await db.dispose()
         await part.close()
         await bus.close()
     lags, j = [], 0
@@ -503,7 +503,8 @@ transaction per ≤ 250 ms of events, `PDS_LINGER_S`; at 50 ms this benchmark me
 ## Durability decision
 
 JetStream acknowledges a publish once the message is in the server's file store, not once it is fsynced
-(the server syncs every 2 minutes by default; DESIGN §9). pdserve keeps the default: Postgres is the
+(the server syncs every 2 minutes by default; docs/architecture.md §10). pdserve keeps the default: Postgres
+is the
 record (the recorder acks only after its transaction commits, and Postgres fsyncs each commit), JetStream is
 the buffer in front of it, and with the recorder caught up (lag above) an event spends well under a second
 unsynced in the buffer alone. Losing it needs the NATS host to lose power in that window — not a process

@@ -4,7 +4,7 @@
 
 Simulation: four prefill workers, each a model of a worker's prefix cache (`pdserve.routing.cache_model`:
 LRU of full 16-token blocks with a capacity, emitting the KV events a worker publishes) behind the
-router's real placement code (`pdserve.routing.placement.Placer`: KV index, bookings, policies), in
+router's real placement code (`pdserve.routing.router.Placer`: KV index, bookings, policies), in
 virtual time (`pdserve.routing.simulate`). No model runs: hit rates depend on token ids and block hashes
 only (`benchmarks/routing_workloads.py`: prefix repetition, multi-turn chat), hashed with the production
 `hash_blocks`. Each policy runs on the same requests in one run; the same is repeated on four more
@@ -29,8 +29,8 @@ from pathlib import Path
 from pdserve.config import RouterSettings
 from pdserve.engine.block_hash import hash_blocks
 from pdserve.messages import BlockStored, Heartbeat, KVEvents, Role, RouteRequest
-from pdserve.routing.placement import Placer
 from pdserve.routing.policy import POLICY_NAMES
+from pdserve.routing.router import Placer
 from pdserve.routing.simulate import SimConfig, SimRequest, ceiling_tokens, sim_descriptor, simulate
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))

@@ -38,7 +38,7 @@ from pdserve.routing.log import routed_requests  # noqa: E402
 from pdserve.routing.report import RoutingReport, summarize  # noqa: E402
 from pdserve.service_plan import ServiceSpec  # noqa: E402
 from pdserve.store.migrate import create_database, drop_database, upgrade  # noqa: E402
-from pdserve.store.queries import make_engine  # noqa: E402
+from pdserve.store.queries import make_db  # noqa: E402
 from tests.e2e.stack import Stack  # noqa: E402
 
 
@@ -123,11 +123,11 @@ def local_fallback_check(stack: Stack) -> dict:
 
 
 async def window_report(database_url: str, since: datetime, until: datetime) -> RoutingReport:
-    engine = make_engine(database_url)
+    db = make_db(database_url)
     try:
-        return summarize(await routed_requests(engine, since, until))
+        return summarize(await routed_requests(db, since, until))
     finally:
-        await engine.dispose()
+        await db.dispose()
 
 
 def report_row(policy: str, report: RoutingReport, sent: int, ok: int, wall_s: float) -> dict:

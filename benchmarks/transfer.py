@@ -68,7 +68,8 @@ CONFIGS = [
     TransportConfig(BARE_LAYERED, "bare-ucxx", {"UCX_TLS": "sm,self"}, checksum=True),
     TransportConfig(LAYERED_UCXX, "ucxx", {"UCX_TLS": "sm,self"}),
     TransportConfig("ucxx shared memory, one chunk", "ucxx", {"UCX_TLS": "sm,self"}, layers=1),
-    # DESIGN §9: 512 KiB TCP segments and blocking progress are what make UCX-over-TCP reach ~2 GB/s here.
+    # docs/architecture.md §10: 512 KiB TCP segments and blocking progress are what make UCX-over-TCP reach
+    # ~2 GB/s here.
     TransportConfig("ucxx TCP", "ucxx", {"UCX_TLS": "tcp,self", "UCX_TCP_RX_SEG_SIZE": "512k",
                                          "UCX_TCP_TX_SEG_SIZE": "512k"}),
     TransportConfig("asyncio TCP", "tcp", {}),

@@ -29,7 +29,7 @@ def _url() -> str:
 
 
 def _include_object(obj, name, type_, reflected, compare_to) -> bool:
-    # Autogenerate would drop tables it does not know (DESIGN §9); only compare ours.
+    # Autogenerate would drop tables it does not know (docs/architecture.md §10); only compare ours.
     return not (type_ == "table" and reflected and compare_to is None)
 
 

@@ -1,4 +1,4 @@
-"""Real NATS and Postgres for every test that needs them (DESIGN §7).
+"""Real NATS and Postgres for every test that needs them (docs/architecture.md §9).
 
 Providers, in order: `PDS_TEST_NATS_URL` / `PDS_TEST_DATABASE_URL` (CI points them at the machine's own
 servers); testcontainers when a Docker engine answers; the embedded servers (`pdserve.embedded`)

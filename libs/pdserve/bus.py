@@ -4,7 +4,8 @@ Every command is one `Message` subclass sent with `Bus.request(subject, msg, Rep
 registered with `Bus.serve(subject, RequestType, handler)` returns its reply type or raises
 `RejectedError`, which travels back as a typed `Rejected` (header `Pds-Reply: rejected`) and is raised
 again on the caller's side. The W3C trace context rides in the `traceparent` header both ways
-(DESIGN §6: no maintained nats-py instrumentation exists; manual inject/extract keeps one trace).
+(docs/architecture.md §8: no maintained nats-py instrumentation exists; manual inject/extract keeps one
+trace).
 
 Lifecycle: `await Bus.connect(settings, service)` … `await bus.close()` (drains subscriptions first).
 """

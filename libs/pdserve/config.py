@@ -1,15 +1,45 @@
 """Settings for every process, from `PDS_*` environment variables (pydantic-settings).
 
 One class per process; each inherits `CommonSettings`. Every field's default is documented by its
-`description`, and `pdserve up` passes the same variables to the services it starts.
+`description`, and `pdserve up` passes the same variables to the services it starts. A setting with a
+fixed set of values is typed by its enum, so a wrong value stops the process at start with pydantic's
+ValidationError naming the choices.
 """
 
 from __future__ import annotations
 
+from enum import StrEnum
 from pathlib import Path
 
 from pydantic import Field
 from pydantic_settings import BaseSettings, SettingsConfigDict
+
+from pdserve.messages import KVTransportKind, Role
+
+
+class ModelName(StrEnum):
+    """The models a worker or the gateway can load (`pdserve.engine.loader.load_model`). A closed set for
+    now: when local model directories become models, `ModelSettings.model` takes those paths too."""
+
+    SMOLLM2 = "smollm2"
+    TINY = "tiny"
+
+
+class KVTransferMode(StrEnum):
+    """When a prefill worker sends the KV it computed."""
+
+    LAYERWISE = "layerwise"  # each layer's KV as soon as that layer is computed
+    NAIVE = "naive"  # all of it once the whole prefill is done (the baseline)
+
+
+class PolicyName(StrEnum):
+    """The router's prefill placement policies (`pdserve.routing.policy.make_policy`). Here, not in
+    routing/policy.py, because that module reads `RouterSettings`."""
+
+    KV = "kv"
+    ROUND_ROBIN = "round_robin"
+    LEAST_LOADED = "least_loaded"
+    RANDOM = "random"
 
 
 class CommonSettings(BaseSettings):
@@ -39,7 +69,7 @@ class ModelSettings(BaseSettings):
 
     model_config = SettingsConfigDict(env_prefix="PDS_", extra="ignore")
 
-    model: str = Field("smollm2", description="'smollm2' or 'tiny'.")
+    model: ModelName = Field(ModelName.SMOLLM2, description="'smollm2' or 'tiny'.")
     served_model_name: str = Field(
         "SmolLM2-135M-Instruct", description="The `model` name clients send and /v1/models lists."
     )
@@ -64,9 +94,9 @@ class RouterSettings(CommonSettings):
     `--router-temperature` 0.0) and its conditional disaggregation (`max_local_prefill_length`)."""
 
     heartbeat_timeout_s: float = Field(3.0, description="A worker silent this long is not routed to.")
-    policy: str = Field(
-        "kv", description="Prefill placement: 'kv' (Dynamo's KV-aware cost), 'round_robin', 'least_loaded', "
-        "'random'.")
+    policy: PolicyName = Field(
+        PolicyName.KV, description="Prefill placement: 'kv' (Dynamo's KV-aware cost), 'round_robin', "
+        "'least_loaded', 'random'.")
     overlap_score_weight: float = Field(
         1.0, ge=0, description="Weight w of the prefill term in cost = w·(uncached + active prefill blocks) "
         "+ active decode blocks. Higher favours cache reuse (TTFT), lower spreads load (ITL). Dynamo: 1.0.")
@@ -135,11 +165,13 @@ class CoordinatorSettings(CommonSettings):
 
 class WorkerSettings(CommonSettings, ModelSettings):
     worker_id: str = Field("", description="Stable worker id; empty = '<role>-<pid>'.")
-    role: str = Field("decode", description="'prefill', 'decode' or 'unified'.")
-    kv_transport: str = Field("ucxx", description="'ucxx' (shared memory on one host) or 'tcp' (asyncio).")
-    kv_transfer_mode: str = Field(
-        "layerwise", description="Prefill role: 'layerwise' sends each layer's KV as soon as it is computed; "
-        "'naive' sends all of it after the whole prefill (the baseline of benchmarks/exposed_transfer.py).")
+    role: Role = Field(Role.DECODE, description="'prefill', 'decode' or 'unified'.")
+    kv_transport: KVTransportKind = Field(
+        KVTransportKind.UCXX, description="'ucxx' (shared memory on one host) or 'tcp' (asyncio).")
+    kv_transfer_mode: KVTransferMode = Field(
+        KVTransferMode.LAYERWISE, description="Prefill role: 'layerwise' sends each layer's KV as soon as it "
+        "is computed; 'naive' sends all of it after the whole prefill (the baseline of "
+        "benchmarks/exposed_transfer.py).")
     kv_corrupt_every_n: int = Field(
         0, description="Fault injection (tests only): flip one byte in flight in every n-th KV transfer this "
         "worker sends (its first chunk); 0 = never.")

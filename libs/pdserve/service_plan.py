@@ -1,4 +1,4 @@
-"""Which processes make up a pdserve stack, and the environment each one gets (DESIGN §2, §7).
+"""Which processes make up a pdserve stack, and the environment each one gets (docs/architecture.md §2, §9).
 
 One source of truth for `pdserve up` (the supervisor starts exactly this list) and for
 docker-compose.yml (tests/unit/test_compose_matches_cli.py checks the compose file against it).
@@ -9,8 +9,10 @@ from __future__ import annotations
 from dataclasses import dataclass
 from pathlib import Path
 
+from pdserve.config import ModelName
+
 MODES = ("disaggregated", "colocated")
-MODELS = ("smollm2", "tiny")
+MODELS = tuple(ModelName)
 
 
 @dataclass(frozen=True)

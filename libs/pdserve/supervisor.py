@@ -1,4 +1,4 @@
-"""The `pdserve up` supervisor: one detached process that owns a whole stack (DESIGN §7).
+"""The `pdserve up` supervisor: one detached process that owns a whole stack (docs/architecture.md §9).
 
     python -m pdserve.supervisor --mode disaggregated --model smollm2 --prefill 1 --decode 1 --port 8000
 

@@ -7,20 +7,20 @@ from pdserve.bus import Bus
 from pdserve.config import CoordinatorSettings
 from pdserve.lifecycle.coordinator import Coordinator
 from pdserve.service import run_service
-from pdserve.store.queries import make_engine
+from pdserve.store.queries import make_db
 
 
 def main() -> None:
     settings = CoordinatorSettings()
 
     async def setup(bus: Bus):
-        engine = make_engine(settings.database_url)  # read only: recovery folds the log from it
-        coordinator = Coordinator(bus, settings, engine)
+        db = make_db(settings.database_url)  # read only: recovery folds the log from it
+        coordinator = Coordinator(bus, settings, db)
         await coordinator.serve()
 
         async def cleanup() -> None:
             await coordinator.stop()
-            await engine.dispose()
+            await db.dispose()
 
         return cleanup
 

@@ -1,6 +1,7 @@
 """Decode worker: receives and verifies KV, then generates; `PDS_ROLE=unified` also prefills (colocated)."""
 
+from pdserve.messages import Role
 from pdserve.workers.runtime import run_worker
 
 if __name__ == "__main__":
-    run_worker("decode")
+    run_worker(Role.DECODE)

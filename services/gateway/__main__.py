@@ -17,7 +17,7 @@ from pdserve.bus import Bus
 from pdserve.config import GatewaySettings
 from pdserve.engine.tokenizer import load_tokenizer
 from pdserve.gateway.app import create_app
-from pdserve.store.queries import make_engine
+from pdserve.store.queries import make_db
 from pdserve.telemetry.setup import init_telemetry
 
 log = logging.getLogger("pdserve.gateway")
@@ -42,8 +42,8 @@ async def serve(settings: GatewaySettings) -> None:
     telemetry = init_telemetry("gateway", settings)
     bus = await Bus.connect(settings, "gateway")
     tokenizer = load_tokenizer(settings.model)
-    engine = make_engine(settings.database_url)
-    app = create_app(bus, tokenizer, settings, engine)
+    db = make_db(settings.database_url)
+    app = create_app(bus, tokenizer, settings, db)
     server = _Server(uvicorn.Config(app, host=settings.host, port=settings.port, log_config=None,
                                     access_log=False, timeout_graceful_shutdown=10))
     log.info("gateway listening on http://%s:%d (model %s)", settings.host, settings.port,
@@ -53,7 +53,7 @@ async def serve(settings: GatewaySettings) -> None:
     finally:
         log.info("gateway stopping")
         await bus.close()
-        await engine.dispose()
+        await db.dispose()
         telemetry.shutdown()
 
 

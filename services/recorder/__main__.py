@@ -14,7 +14,7 @@ import sys
 
 from pdserve.bus import Bus
 from pdserve.config import RecorderSettings
-from pdserve.store.queries import make_engine
+from pdserve.store.queries import make_db
 from pdserve.store.recorder import Recorder
 from pdserve.telemetry.metrics import start_metrics_server
 from pdserve.telemetry.setup import init_telemetry
@@ -33,7 +33,7 @@ async def serve(settings: RecorderSettings) -> None:
     telemetry = init_telemetry("recorder", settings)
     port = start_metrics_server(settings.metrics_port)
     bus = await Bus.connect(settings, "recorder")
-    engine = make_engine(settings.database_url)
+    db = make_db(settings.database_url)
     stop = asyncio.Event()
     loop = asyncio.get_running_loop()
     for sig in (signal.SIGTERM, signal.SIGINT):
@@ -43,11 +43,11 @@ async def serve(settings: RecorderSettings) -> None:
     gc.freeze()
     gc.set_threshold(*GC_THRESHOLD)
     try:
-        await Recorder(bus, engine, settings).run(stop)  # returns once the batch in hand is committed
+        await Recorder(bus, db, settings).run(stop)  # returns once the batch in hand is committed
     finally:
         log.info("recorder stopping")
         await bus.close()
-        await engine.dispose()
+        await db.dispose()
         telemetry.shutdown()
 
 

@@ -1,5 +1,5 @@
 """Router: live workers from heartbeats, the KV index from their KV events and digests, its own load
-bookings released by the lifecycle events; answers placement requests (`pdserve.routing.placement`)."""
+bookings released by the lifecycle events; answers placement requests (`pdserve.routing.router`)."""
 
 from __future__ import annotations
 
@@ -12,7 +12,7 @@ from pdserve.bus import Bus
 from pdserve.config import RouterSettings
 from pdserve.events import TERMINAL_TYPES, Event
 from pdserve.messages import Heartbeat, KVDigest, KVEvents, RouteDecision, RouteRequest
-from pdserve.routing.placement import Placer
+from pdserve.routing.router import Placer
 from pdserve.service import run_service
 
 tracer = trace.get_tracer("pdserve.router")

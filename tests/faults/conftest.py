@@ -12,7 +12,7 @@ import pytest
 
 from pdserve.config import CommonSettings
 from pdserve.service_plan import ServiceSpec
-from pdserve.store.queries import make_engine
+from pdserve.store.queries import make_db
 from tests.e2e.stack import Stack
 
 FAULT_ENV = {"PDS_COMMIT_EVERY_TOKENS": "8"}
@@ -75,22 +75,22 @@ def smollm2_reference(smollm2):
 
 @asynccontextmanager
 async def open_store(settings: CommonSettings) -> AsyncIterator:
-    """(event store engine, bus) of a stack's settings: what `recorded_lifecycles` reads and asks
+    """(event store db, bus) of a stack's settings: what `recorded_lifecycles` reads and asks
     `caught_up`; the bus also serves tests that watch the stack's subjects."""
     from pdserve.bus import Bus
 
-    engine = make_engine(settings.database_url)
+    db = make_db(settings.database_url)
     bus = await Bus.connect(settings, "fault-test")
     try:
-        yield engine, bus
+        yield db, bus
     finally:
         await bus.close()
-        await engine.dispose()
+        await db.dispose()
 
 
 @pytest.fixture
 async def store(fault_stack) -> AsyncIterator:
-    """(event store engine, bus) of the fault stack."""
+    """(event store db, bus) of the fault stack."""
     async with open_store(fault_stack.settings) as s:
         yield s
 

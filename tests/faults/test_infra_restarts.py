@@ -36,9 +36,9 @@ async def _published_and_recorded(stack: Stack, store) -> tuple[int, int]:
     """(events in the JetStream stream, rows in the events table)."""
     import sqlalchemy as sa
 
-    engine, bus = store
+    db, bus = store
     info = await bus.js.stream_info(stack.settings.events_stream)
-    async with engine.connect() as conn:
+    async with db.connect() as conn:
         rows = (await conn.execute(sa.text("SELECT count(*) FROM events"))).scalar_one()
     return info.state.messages, rows
 
@@ -47,7 +47,7 @@ async def test_postgres_down_30s_under_load_loses_no_event_and_serving_goes_on(
     settings, own_postgres, tmp_path, reference, fault_env
 ):
     from pdserve.bus import Bus
-    from pdserve.store.queries import make_engine
+    from pdserve.store.queries import make_db
 
     stack_settings = settings.model_copy(
         update={
@@ -75,16 +75,16 @@ async def test_postgres_down_30s_under_load_loses_no_event_and_serving_goes_on(
 
         results = await asyncio.to_thread(load)
         await asyncio.to_thread(pg.join)
-        engine = make_engine(own_postgres["url"])
+        db = make_db(own_postgres["url"])
         bus = await Bus.connect(stack_settings, "fault-test")
         try:
-            store = (engine, bus)
+            store = (db, bus)
             lifecycles = await recorded_lifecycles(store, [r.request_id for r in results], timeout_s=120)
             check_results(results, expected_outputs(reference, prompts, MAX_TOKENS), reference[1], lifecycles)
             published, recorded = await _published_and_recorded(stack, store)
         finally:
             await bus.close()
-            await engine.dispose()
+            await db.dispose()
     finally:
         stack.stop()
     assert published == recorded

@@ -29,7 +29,7 @@ from pdserve.embedded import free_port
 from pdserve.engine.tokenizer import load_tokenizer
 from pdserve.gateway.app import create_app
 from pdserve.messages import Abort, Accepted, Ack, FinishReason, RejectCode, Submit, TokenChunk, TokenLogprobs
-from pdserve.store.queries import make_engine
+from pdserve.store.queries import make_db
 from pdserve.store.recorder import Recorder, caught_up
 
 MODEL = "SmolLM2-135M-Instruct"
@@ -132,15 +132,15 @@ def coord(coordinator: ScriptedCoordinator) -> ScriptedCoordinator:
 
 
 @pytest.fixture(scope="module")
-async def engine(database_url: str):
-    e = make_engine(database_url)
+async def db(database_url: str):
+    e = make_db(database_url)
     yield e
     await e.dispose()
 
 
 @pytest.fixture(scope="module")
-def app(bus, tokenizer, gw_settings, engine):
-    return create_app(bus, tokenizer, gw_settings, engine)
+def app(bus, tokenizer, gw_settings, db):
+    return create_app(bus, tokenizer, gw_settings, db)
 
 
 @pytest.fixture
@@ -441,7 +441,7 @@ async def test_request_span_carries_usage_and_is_the_parent_of_the_coordinators_
     assert coord.submit_trace_ids[index] == span.context.trace_id
 
 
-async def test_lifecycle_endpoint_reads_the_recorded_events(client, coord, tokenizer, bus, engine, settings):
+async def test_lifecycle_endpoint_reads_the_recorded_events(client, coord, tokenizer, bus, db, settings):
     coord.script = in_order(answer_ids(tokenizer))
     r = await client.post("/v1/completions", json={"model": MODEL, "prompt": "hi"})
     rid = r.headers["x-request-id"]
@@ -449,7 +449,7 @@ async def test_lifecycle_endpoint_reads_the_recorded_events(client, coord, token
     r = await client.post("/v1/completions", json={"model": MODEL, "prompt": "hi"})
     refused = r.headers["x-request-id"]
     stop = asyncio.Event()
-    task = asyncio.create_task(Recorder(bus, engine, RecorderSettings(**settings.model_dump())).run(stop))
+    task = asyncio.create_task(Recorder(bus, db, RecorderSettings(**settings.model_dump())).run(stop))
     try:
         async with asyncio.timeout(20):
             while not await caught_up(bus):

@@ -26,7 +26,7 @@ from pdserve.store.projection import fold
 from pdserve.store.queries import (
     lifecycle,
     lifecycle_records,
-    make_engine,
+    make_db,
     rebuild_projections,
     request_row,
     request_snapshot,
@@ -40,8 +40,8 @@ UNREACHABLE_DB = "postgresql+asyncpg://postgres@127.0.0.1:1/nowhere"
 
 
 @pytest.fixture(scope="module")
-async def engine(database_url: str) -> AsyncIterator:
-    e = make_engine(database_url)
+async def db(database_url: str) -> AsyncIterator:
+    e = make_db(database_url)
     yield e
     await e.dispose()
 
@@ -65,9 +65,9 @@ async def publish(bus: Bus, event: Event, msg_id: str | None = None) -> None:
                          headers={"Nats-Msg-Id": msg_id or event.event_id})
 
 
-async def run_recorder(bus: Bus, engine, settings: RecorderSettings):
+async def run_recorder(bus: Bus, db, settings: RecorderSettings):
     stop = asyncio.Event()
-    task = asyncio.create_task(Recorder(bus, engine, settings).run(stop))
+    task = asyncio.create_task(Recorder(bus, db, settings).run(stop))
     return stop, task
 
 
@@ -78,9 +78,9 @@ async def wait_recorded(bus: Bus, timeout_s: float = 20.0) -> None:
             await asyncio.sleep(0.05)
 
 
-async def record_all(bus: Bus, engine, settings: RecorderSettings) -> None:
+async def record_all(bus: Bus, db, settings: RecorderSettings) -> None:
     """Run a recorder until Postgres holds every event published so far, then stop it."""
-    stop, task = await run_recorder(bus, engine, settings)
+    stop, task = await run_recorder(bus, db, settings)
     try:
         await wait_recorded(bus)
     finally:
@@ -88,20 +88,20 @@ async def record_all(bus: Bus, engine, settings: RecorderSettings) -> None:
         await task
 
 
-async def stored_rows(engine, request_ids: list[str]) -> list[dict]:
-    async with engine.connect() as conn:
+async def stored_rows(db, request_ids: list[str]) -> list[dict]:
+    async with db.connect() as conn:
         q = sa.select(events).where(events.c.request_id.in_(request_ids)).order_by(events.c.stream_seq)
         return [dict(r) for r in (await conn.execute(q)).mappings()]
 
 
-async def projection_snapshot(engine) -> list[dict]:
-    async with engine.connect() as conn:
+async def projection_snapshot(db) -> list[dict]:
+    async with db.connect() as conn:
         q = sa.select(requests).order_by(requests.c.request_id)
         return [dict(r) for r in (await conn.execute(q)).mappings()]
 
 
 async def test_every_event_is_recorded_once_in_stream_order_with_its_projection(
-    bus, engine, recorder_settings
+    bus, db, recorder_settings
 ):
     rids = [new_id() for _ in range(3)]
     lives = {rid: full_lifecycle(rid) for rid in rids}
@@ -116,26 +116,26 @@ async def test_every_event_is_recorded_once_in_stream_order_with_its_projection(
     await publish(bus, lives[rids[2]][0], msg_id=new_id())
     await bus.js.publish(bus.subjects.event(rids[0], "Garbage"), b"not an event")  # terminated, not blocking
 
-    await record_all(bus, engine, recorder_settings)
+    await record_all(bus, db, recorder_settings)
 
-    rows = await stored_rows(engine, rids)
+    rows = await stored_rows(db, rids)
     expected_ids = {e.event_id for life in lives.values() for e in life} | {unknown.event_id}
     assert sorted(r["event_id"] for r in rows) == sorted(expected_ids)
     seqs = [r["stream_seq"] for r in rows]
     assert seqs == sorted(seqs) and len(set(seqs)) == len(seqs)
     for rid in rids:
-        recorded = await lifecycle(engine, rid)
+        recorded = await lifecycle(db, rid)
         want = lives[rid] + ([unknown] if rid == rids[0] else [])
         assert [e.event_id for e in recorded] == [e.event_id for e in want]
         assert recorded == [e.model_copy(update={"ts": r.ts, "seq": i})  # seq: the per-request rank, on read
                             for i, (e, r) in enumerate(zip(want, recorded, strict=True), start=1)]
         assert all(abs(e.ts - r.ts) < 1e-6 for e, r in zip(want, recorded, strict=True))
-        row = await request_row(engine, rid)
-        assert row == fold(await lifecycle_records(engine, rid))
+        row = await request_row(db, rid)
+        assert row == fold(await lifecycle_records(db, rid))
         assert row["state"] == "completed" and row["completion_tokens"] == 8 and row["cached_tokens"] == 16
 
 
-async def test_replay_twice_gives_the_projection_the_recorder_wrote(bus, engine, recorder_settings):
+async def test_replay_twice_gives_the_projection_the_recorder_wrote(bus, db, recorder_settings):
     rid, migrating, recovering = new_id(), new_id(), new_id()
     for event in full_lifecycle(rid)[:7]:
         await publish(bus, event)
@@ -143,33 +143,33 @@ async def test_replay_twice_gives_the_projection_the_recorder_wrote(bus, engine,
         await publish(bus, event)
     for event in migrated_lifecycle(recovering)[:13]:
         await publish(bus, event)
-    await record_all(bus, engine, recorder_settings)
+    await record_all(bus, db, recorder_settings)
 
-    live = await projection_snapshot(engine)
-    assert (await request_row(engine, rid))["state"] == "prefilling"
-    assert (await request_row(engine, migrating))["state"] == "migrating"
-    assert (await request_row(engine, recovering))["state"] == "recovering"
-    assert rid in {r["request_id"] for r in await unfinished_requests(engine)}
-    n = await rebuild_projections(engine)
-    first = await projection_snapshot(engine)
+    live = await projection_snapshot(db)
+    assert (await request_row(db, rid))["state"] == "prefilling"
+    assert (await request_row(db, migrating))["state"] == "migrating"
+    assert (await request_row(db, recovering))["state"] == "recovering"
+    assert rid in {r["request_id"] for r in await unfinished_requests(db)}
+    n = await rebuild_projections(db)
+    first = await projection_snapshot(db)
     assert n == len(first) == len(live) >= 1
-    assert await rebuild_projections(engine) == n
-    assert await projection_snapshot(engine) == first == live
+    assert await rebuild_projections(db) == n
+    assert await projection_snapshot(db) == first == live
 
 
-async def test_replay_since_recomputes_only_requests_with_recent_events(bus, engine, recorder_settings):
+async def test_replay_since_recomputes_only_requests_with_recent_events(bus, db, recorder_settings):
     rid = new_id()
     for event in full_lifecycle(rid, t0=time.time() + 3600):  # the newest events in the table
         await publish(bus, event)
-    await record_all(bus, engine, recorder_settings)
-    everything = await projection_snapshot(engine)
+    await record_all(bus, db, recorder_settings)
+    everything = await projection_snapshot(db)
     since = datetime.fromtimestamp(time.time() + 1800, UTC)
-    assert await rebuild_projections(engine, since=since) == 1
-    assert await projection_snapshot(engine) == everything
+    assert await rebuild_projections(db, since=since) == 1
+    assert await projection_snapshot(db) == everything
 
 
 async def test_an_older_event_committed_after_newer_ones_still_folds_in_stream_order(
-    bus, engine, recorder_settings
+    bus, db, recorder_settings
 ):
     rid = new_id()
     life = full_lifecycle(rid)
@@ -179,45 +179,45 @@ async def test_an_older_event_committed_after_newer_ones_still_folds_in_stream_o
     sub = await bus.js.pull_subscribe(bus.subjects.event(rid, "*"), durable=durable,
                                       stream=recorder_settings.events_stream)
     msgs = await sub.fetch(len(life), timeout=5)
-    recorder = Recorder(bus, engine, recorder_settings, durable=durable)
+    recorder = Recorder(bus, db, recorder_settings, durable=durable)
     await recorder.record(msgs[6:])
     await recorder.record(msgs[:6])  # as if a crashed recorder's batch were redelivered late
     await sub.unsubscribe()
     await bus.js.delete_consumer(recorder_settings.events_stream, durable)
-    row = await request_row(engine, rid)
+    row = await request_row(db, rid)
     assert row == fold((i + 1, e) for i, e in enumerate(life)) | {"last_stream_seq": row["last_stream_seq"]}
     assert row["state"] == "completed" and row["received_at"] is not None
 
 
 async def test_events_published_while_the_recorder_is_stopped_are_recorded_when_it_starts(
-    bus, engine, recorder_settings
+    bus, db, recorder_settings
 ):
     rid = new_id()
     life = full_lifecycle(rid)
-    stop, task = await run_recorder(bus, engine, recorder_settings)
+    stop, task = await run_recorder(bus, db, recorder_settings)
     for event in life[:4]:
         await publish(bus, event)
     await wait_recorded(bus)
     stop.set()
     await task
-    assert (await request_row(engine, rid))["state"] == "reserved"
+    assert (await request_row(db, rid))["state"] == "reserved"
 
     for event in life[4:]:
         await publish(bus, event)
-    assert len(await lifecycle(engine, rid)) == 4  # nobody records while stopped
+    assert len(await lifecycle(db, rid)) == 4  # nobody records while stopped
 
-    await record_all(bus, engine, recorder_settings)
-    assert [e.event_id for e in await lifecycle(engine, rid)] == [e.event_id for e in life]
-    assert (await request_row(engine, rid))["state"] == "completed"
+    await record_all(bus, db, recorder_settings)
+    assert [e.event_id for e in await lifecycle(db, rid)] == [e.event_id for e in life]
+    assert (await request_row(db, rid))["state"] == "completed"
 
 
-async def test_events_wait_unacked_in_jetstream_while_postgres_is_unreachable(bus, engine, recorder_settings):
+async def test_events_wait_unacked_in_jetstream_while_postgres_is_unreachable(bus, db, recorder_settings):
     rid = new_id()
     life = full_lifecycle(rid)
     for event in life:
         await publish(bus, event)
 
-    dead = make_engine(UNREACHABLE_DB)
+    dead = make_db(UNREACHABLE_DB)
     stop, task = await run_recorder(bus, dead, recorder_settings)
     await asyncio.sleep(1.0)
     lag = REGISTRY.get_sample_value("pdserve:events_recorder_lag_seconds")
@@ -227,18 +227,18 @@ async def test_events_wait_unacked_in_jetstream_while_postgres_is_unreachable(bu
     await dead.dispose()
     assert lag > 0
     assert info.num_ack_pending + info.num_pending >= len(life)
-    assert await lifecycle(engine, rid) == []
+    assert await lifecycle(db, rid) == []
 
-    await record_all(bus, engine, recorder_settings)
-    assert [e.event_id for e in await lifecycle(engine, rid)] == [e.event_id for e in life]
-    assert (await request_row(engine, rid))["state"] == "completed"
+    await record_all(bus, db, recorder_settings)
+    assert [e.event_id for e in await lifecycle(db, rid)] == [e.event_id for e in life]
+    assert (await request_row(db, rid))["state"] == "completed"
 
 
-async def test_recording_resumes_after_its_consumer_is_deleted(bus, engine, recorder_settings):
+async def test_recording_resumes_after_its_consumer_is_deleted(bus, db, recorder_settings):
     rid = new_id()
     life = full_lifecycle(rid)
     stop = asyncio.Event()
-    recorder = Recorder(bus, engine, recorder_settings, consumer_check_s=0.2)
+    recorder = Recorder(bus, db, recorder_settings, consumer_check_s=0.2)
     task = asyncio.create_task(recorder.run(stop))
     try:
         await publish(bus, life[0])
@@ -250,11 +250,11 @@ async def test_recording_resumes_after_its_consumer_is_deleted(bus, engine, reco
     finally:
         stop.set()
         await task
-    assert [e.event_id for e in await lifecycle(engine, rid)] == [e.event_id for e in life]
-    assert (await request_row(engine, rid))["state"] == "completed"
+    assert [e.event_id for e in await lifecycle(db, rid)] == [e.event_id for e in life]
+    assert (await request_row(db, rid))["state"] == "completed"
 
 
-async def test_a_request_read_while_its_events_commit_is_one_snapshot(bus, engine, recorder_settings):
+async def test_a_request_read_while_its_events_commit_is_one_snapshot(bus, db, recorder_settings):
     """The recorder commits a batch's events and its projection row together; `GET /v1/requests/{id}`
     and `pdserve replay --request` read both. Here the whole lifecycle commits between the reader's two
     statements: read apart they gave a complete lifecycle beside no row (seen in a CI run once batches
@@ -262,14 +262,14 @@ async def test_a_request_read_while_its_events_commit_is_one_snapshot(bus, engin
     rid = new_id()
     for event in full_lifecycle(rid):
         await publish(bus, event)
-    reader = make_engine(engine.url.render_as_string(hide_password=False))
+    reader = make_db(db.url.render_as_string(hide_password=False))
     seen: list[str] = []
 
     def commit_between(conn, cursor, statement, parameters, context, executemany) -> None:
         seen.append(statement)
         if "FROM events" in statement and not any("FROM events" in q for q in seen[:-1]):
             # the row was read, the events are next: record the whole lifecycle now
-            await_only(record_all(bus, engine, recorder_settings))
+            await_only(record_all(bus, db, recorder_settings))
 
     sa.event.listen(reader.sync_engine, "before_cursor_execute", commit_between)
     try:
@@ -278,14 +278,14 @@ async def test_a_request_read_while_its_events_commit_is_one_snapshot(bus, engin
         await reader.dispose()
     assert [("FROM requests" in q, "FROM events" in q) for q in seen] == [(True, False), (False, True)]
     assert (row, records) == (None, [])  # the snapshot predates the commit: neither half of it
-    row, records = await request_snapshot(engine, rid)
+    row, records = await request_snapshot(db, rid)
     assert row is not None and row == fold(records) and row["state"] == "completed"
 
 
-async def test_unknown_or_malformed_request_ids_have_no_lifecycle(engine):
-    assert await lifecycle(engine, new_id()) == []
-    assert await lifecycle(engine, "not-a-uuid") == []
-    assert await request_row(engine, "not-a-uuid") is None
+async def test_unknown_or_malformed_request_ids_have_no_lifecycle(db):
+    assert await lifecycle(db, new_id()) == []
+    assert await lifecycle(db, "not-a-uuid") == []
+    assert await request_row(db, "not-a-uuid") is None
 
 
 async def _pdserve(*args: str) -> tuple[int, str]:
@@ -308,14 +308,14 @@ async def _replay(capsys, *args: str) -> tuple[int, str]:
 
 
 async def test_replay_command_prints_a_lifecycle_in_stream_order_and_rebuilds(
-    bus, engine, recorder_settings, database_url, tmp_path, monkeypatch, capsys
+    bus, db, recorder_settings, database_url, tmp_path, monkeypatch, capsys
 ):
     rid = new_id()
     life = full_lifecycle(rid)
     for event in life:
         await publish(bus, event)
-    await record_all(bus, engine, recorder_settings)
-    before = await projection_snapshot(engine)
+    await record_all(bus, db, recorder_settings)
+    before = await projection_snapshot(db)
 
     code, out = await _pdserve("replay", "--request", rid, "--database-url", database_url)
     assert code == 0, out
@@ -334,7 +334,7 @@ async def test_replay_command_prints_a_lifecycle_in_stream_order_and_rebuilds(
     code, out = await _replay(capsys)
     assert code == 0, out
     assert f"rebuilt {len(before)} request rows" in out
-    assert await projection_snapshot(engine) == before
+    assert await projection_snapshot(db) == before
 
     code, out = await _replay(capsys, "--request", new_id(), "--database-url", database_url)
     assert code == 1 and "no events recorded" in out

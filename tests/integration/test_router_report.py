@@ -18,7 +18,7 @@ from pdserve.ids import new_id
 from pdserve.messages import CandidateCost, Role
 from pdserve.routing.log import routed_requests
 from pdserve.routing.replay import logged_config, replay_routing
-from pdserve.store.queries import make_engine
+from pdserve.store.queries import make_db
 from pdserve.store.rows import event_row
 from pdserve.store.tables import events
 
@@ -106,11 +106,11 @@ def synthetic_log() -> list[Event]:
 
 @pytest.fixture(scope="module")
 async def logged(database_url: str) -> str:
-    engine = make_engine(database_url)
+    db = make_db(database_url)
     base = 10**12 + random.randrange(10**9)
-    async with engine.begin() as conn:
+    async with db.begin() as conn:
         await conn.execute(events.insert(), [event_row(e, base + i) for i, e in enumerate(synthetic_log())])
-    await engine.dispose()
+    await db.dispose()
     return database_url
 
 
@@ -164,11 +164,11 @@ def test_report_command_prints_json(logged, capsys):
 
 
 async def test_replay_re_decides_the_logged_requests_with_each_policy(logged):
-    engine = make_engine(logged)
+    db = make_db(logged)
     try:
-        reqs = await routed_requests(engine, *WINDOW)
+        reqs = await routed_requests(db, *WINDOW)
     finally:
-        await engine.dispose()
+        await db.dispose()
     config = logged_config(reqs, None, capacity_blocks=64)
     assert config.num_prefill_workers == 3 and config.block_size == 16
     from pdserve.config import RouterSettings

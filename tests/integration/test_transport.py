@@ -1,5 +1,5 @@
 """Both KV transports between two OS processes: this test process receives, a spawned process
-(`transfer_peer`) sends. Covers DESIGN §3's data-plane contract: KV lands byte-identical in the
+(`transfer_peer`) sends. Covers docs/architecture.md §6's data-plane contract: KV lands byte-identical in the
 receiver's own buffers, a corrupted chunk is never counted, and cancelled or unknown transfers never
 write into buffers."""
 

@@ -22,7 +22,6 @@ from pdserve.messages import (
     RouteRequest,
 )
 from pdserve.routing.cache_model import PrefixCacheModel
-from pdserve.routing.placement import Placer
 from pdserve.routing.policy import (
     Candidate,
     KVCost,
@@ -33,6 +32,7 @@ from pdserve.routing.policy import (
     softmax_sample,
 )
 from pdserve.routing.registry import WorkerRegistry
+from pdserve.routing.router import Placer
 from pdserve.routing.simulate import sim_descriptor
 
 DESC = sim_descriptor(16)  # every simulated worker's descriptor: all compatible

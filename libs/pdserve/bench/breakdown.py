@@ -1,5 +1,6 @@
 """The server's side of TTFT, joined from the event log: each request's `requests` projection row (queue,
-route, reserve, prefill, exposed transfer, first token — DESIGN §6) keyed by the `X-Request-Id` the
+route, reserve, prefill, exposed transfer, first token — docs/architecture.md §8) keyed by the `X-Request-Id`
+the
 gateway returned."""
 
 from __future__ import annotations
@@ -11,8 +12,9 @@ from dataclasses import dataclass
 
 import sqlalchemy as sa
 
-from pdserve.store.queries import make_engine
-from pdserve.store.tables import TERMINAL_STATES, requests
+from pdserve.states import TERMINAL_STATES
+from pdserve.store.queries import make_db
+from pdserve.store.tables import requests
 
 BREAKDOWN_STAGES = ("queue_s", "route_s", "reserve_s", "prefill_s", "exposed_transfer_s", "first_token_s")
 
@@ -38,11 +40,11 @@ async def fetch_breakdowns(database_url: str, request_ids: Sequence[str],
     recorder to have folded every one of them to a terminal state. Returns what is there by then (ids
     without a row are absent). Raises what SQLAlchemy raises when Postgres cannot be reached."""
     ids = sorted(set(request_ids))
-    engine = make_engine(database_url)
+    db = make_db(database_url)
     try:
         deadline = time.monotonic() + wait_s
         while True:
-            async with engine.connect() as conn:
+            async with db.connect() as conn:
                 q = sa.select(requests).where(requests.c.request_id.in_(ids))
                 rows = (await conn.execute(q)).mappings().all()
             done = sum(r["state"] in TERMINAL_STATES for r in rows)
@@ -50,7 +52,7 @@ async def fetch_breakdowns(database_url: str, request_ids: Sequence[str],
                 break
             await asyncio.sleep(0.5)
     finally:
-        await engine.dispose()
+        await db.dispose()
     return {
         str(r["request_id"]): TTFTBreakdown(
             request_id=str(r["request_id"]), state=r["state"], mode=r["mode"], ttft_s=r["ttft_s"],

@@ -1,4 +1,5 @@
-"""`pdserve replay`: rebuild the `requests` projection from the events table (DESIGN §4), or, with
+"""`pdserve replay`: rebuild the `requests` projection from the events table (docs/architecture.md §7), or,
+with
 `--request ID`, print that request's lifecycle in stream order with its projection row.
 
 The database is `--database-url`, else `$PDS_DATABASE_URL`, else the one a running `pdserve up` stack
@@ -25,7 +26,7 @@ from pdserve.config import CommonSettings
 from pdserve.events import SCHEMA_VERSION
 from pdserve.ids import request_id_of
 from pdserve.stack_state import read_state
-from pdserve.store.queries import make_engine, rebuild_projections, request_snapshot, state_counts
+from pdserve.store.queries import make_db, rebuild_projections, request_snapshot, state_counts
 from pdserve.store.rows import RecordedEvent
 
 console = make_console()
@@ -139,11 +140,11 @@ def projection_summary(row: dict[str, Any]) -> str:
 
 
 async def _show_request(url: str, request_id: str, since: datetime | None) -> int:
-    engine = make_engine(url)
+    db = make_db(url)
     try:
-        row, records = await request_snapshot(engine, request_id, since)
+        row, records = await request_snapshot(db, request_id, since)
     finally:
-        await engine.dispose()
+        await db.dispose()
     if not records:
         console.print(f"no events recorded for request {request_id}" + (" since then" if since else ""))
         return 1
@@ -154,14 +155,14 @@ async def _show_request(url: str, request_id: str, since: datetime | None) -> in
 
 
 async def _rebuild(url: str, since: datetime | None) -> int:
-    engine = make_engine(url)
+    db = make_db(url)
     try:
         start = time.perf_counter()
-        n = await rebuild_projections(engine, since)
+        n = await rebuild_projections(db, since)
         elapsed = time.perf_counter() - start
-        counts = await state_counts(engine)
+        counts = await state_counts(db)
     finally:
-        await engine.dispose()
+        await db.dispose()
     scope = f"with events since {since.isoformat()}" if since else "in total"
     console.print(f"rebuilt {n} request rows ({scope}) from the events table in {elapsed:.2f} s")
     table = Table("state", "requests", header_style="bold")

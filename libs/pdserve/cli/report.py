@@ -22,18 +22,18 @@ from pdserve.cli.output import make_console
 from pdserve.cli.replay import parse_since, resolve_database_url
 from pdserve.routing.log import routed_requests
 from pdserve.routing.report import RoutingReport, summarize
-from pdserve.store.queries import make_engine
+from pdserve.store.queries import make_db
 
 console = make_console()
 
 
 async def load_report(url: str, since: datetime | None, until: datetime | None) -> RoutingReport:
     """The routing report of requests routed in [since, until) in the store at `url`."""
-    engine = make_engine(url)
+    db = make_db(url)
     try:
-        return summarize(await routed_requests(engine, since, until))
+        return summarize(await routed_requests(db, since, until))
     finally:
-        await engine.dispose()
+        await db.dispose()
 
 
 def report_dict(report: RoutingReport) -> dict:

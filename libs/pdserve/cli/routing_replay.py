@@ -16,7 +16,7 @@ from pdserve.routing.log import routed_requests
 from pdserve.routing.policy import POLICY_NAMES
 from pdserve.routing.replay import logged_config, replay_routing
 from pdserve.routing.report import RoutedRequest, summarize
-from pdserve.store.queries import make_engine
+from pdserve.store.queries import make_db
 
 console = make_console()
 WEIGHT_KEYS = {
@@ -50,11 +50,11 @@ def parse_policies(text: str) -> list[str]:
 
 
 async def _load(url: str, since: datetime | None) -> list[RoutedRequest]:
-    engine = make_engine(url)
+    db = make_db(url)
     try:
-        return await routed_requests(engine, since)
+        return await routed_requests(db, since)
     finally:
-        await engine.dispose()
+        await db.dispose()
 
 
 def run(args: argparse.Namespace, url: str) -> int:

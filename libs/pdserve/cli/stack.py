@@ -1,4 +1,5 @@
-"""`pdserve up | down | status | logs | migrate`: run the whole stack on this machine (DESIGN §7).
+"""`pdserve up | down | status | logs | migrate`: run the whole stack on this machine
+(docs/architecture.md §9).
 
 `up` starts `python -m pdserve.supervisor` detached (its own session, so it outlives the shell) and returns
 once the gateway's GET /health answers 200 and every worker heartbeats (so the first request is placed at

@@ -1,5 +1,6 @@
 """`pdserve trace <request_id>`: one request's waterfall in the terminal, from the JSON-lines spans every
-process writes under `<var_dir>/traces/` (DESIGN §6), then its TTFT breakdown, services and trace id."""
+process writes under `<var_dir>/traces/` (docs/architecture.md §8), then its TTFT breakdown, services and
+trace id."""
 
 from __future__ import annotations
 

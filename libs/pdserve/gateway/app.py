@@ -1,9 +1,9 @@
-"""The gateway's FastAPI app: the OpenAI-compatible HTTP edge of pdserve (DESIGN §2, step 1).
+"""The gateway's FastAPI app: the OpenAI-compatible HTTP edge of pdserve (docs/architecture.md §3, step 1).
 
 Routes: POST /v1/completions, POST /v1/chat/completions (stream or not), GET /v1/models[/{model}],
 GET /v1/requests/{request_id} (a request's lifecycle from the event store), GET
 /v1/requests/{request_id}/stream (resume an SSE stream after `Last-Event-ID`), GET /health, GET /metrics.
-Build it with `create_app(bus, tokenizer, settings, engine)`; the service (`pdserve.services.gateway`)
+Build it with `create_app(bus, tokenizer, settings, db)`; the service (`pdserve.services.gateway`)
 serves it with uvicorn.
 """
 
@@ -51,7 +51,7 @@ class GatewayState:
     bus: Bus
     tokenizer: Tokenizer
     settings: GatewaySettings
-    engine: AsyncEngine | None
+    db: AsyncEngine | None
     created: int = field(default_factory=lambda: int(time.time()))
 
 
@@ -70,10 +70,10 @@ CHAT = Endpoint("/v1/chat/completions", ChatCompletionRequest, prepare_chat, Cha
 
 
 def create_app(bus: Bus, tokenizer: Tokenizer, settings: GatewaySettings,
-               engine: AsyncEngine | None) -> FastAPI:
-    """The gateway app. `engine` (the event store, read only) may be None: /v1/requests then answers 503."""
+               db: AsyncEngine | None) -> FastAPI:
+    """The gateway app. `db` (the event store, read only) may be None: /v1/requests then answers 503."""
     app = FastAPI(title="pdserve gateway", description="OpenAI-compatible API of pdserve.")
-    app.state.gateway = GatewayState(bus, tokenizer, settings, engine)
+    app.state.gateway = GatewayState(bus, tokenizer, settings, db)
     install_error_handlers(app)
 
     @app.post(COMPLETIONS.path)
@@ -182,7 +182,7 @@ async def resume(request: Request, request_id: str) -> Response:
     if not raw.isdigit():
         raise invalid_request(f"Last-Event-ID must be a token count, got {raw!r}.", param="Last-Event-ID")
     last = int(raw)
-    gen = await ResumedGeneration.open(state.bus, state.tokenizer, state.engine, request_id, last,
+    gen = await ResumedGeneration.open(state.bus, state.tokenizer, state.db, request_id, last,
                                        timeout_s=state.settings.request_timeout_s,
                                        gap_timeout_s=state.settings.token_gap_timeout_s)
     endpoint = CHAT if gen.received.endpoint == CHAT.path else COMPLETIONS
@@ -220,10 +220,10 @@ async def parse(request: Request, endpoint: Endpoint) -> CompletionRequest | Cha
 async def read_lifecycle(state: GatewayState, request_id: str) -> dict[str, Any]:
     """`{"request": <projection row>, "events": [<event>, ...]}` in stream order. 404 when the store
     knows nothing of `request_id`; 503 when there is no store or it cannot be read."""
-    if state.engine is None:
+    if state.db is None:
         raise APIError(503, "This gateway has no event store configured.", code="event_store_unavailable")
     try:
-        row, records = await queries.request_snapshot(state.engine, request_id)
+        row, records = await queries.request_snapshot(state.db, request_id)
     except Exception as e:  # Postgres down: serving goes on, only this read fails
         log.warning("event store read for %s failed: %s", request_id, e)
         raise APIError(503, f"The event store cannot be read now: {type(e).__name__}",

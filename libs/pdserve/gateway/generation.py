@@ -1,6 +1,7 @@
 """One request's generation as the gateway sees it: submit on the bus, then text deltas until the end.
 
-DESIGN §2 step 1: subscribe to `pds.tokens.<request_id>` before submitting (no chunk can be missed), emit
+docs/architecture.md §3 step 1: subscribe to `pds.tokens.<request_id>` before submitting (no chunk can be
+missed), emit
 `RequestReceived`, send `Submit` to the coordinator, then turn `TokenChunk`s into text: reorder and dedupe
 (`ChunkReassembler`), detokenize incrementally, cut at stop strings. Whenever the gateway ends a request the
 workers still run (stop string, client gone, timeout, a hole in the stream), it sends `Abort` so they free it.

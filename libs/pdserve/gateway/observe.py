@@ -1,6 +1,7 @@
 """The `gateway.request` span and the gateway's Prometheus metrics for one request.
 
-The span is the root of the request's trace (DESIGN §6); it is current while the gateway talks to the bus,
+The span is the root of the request's trace (docs/architecture.md §8); it is current while the gateway talks
+to the bus,
 so the coordinator's spans join it through the `traceparent` header. Attributes: OTel GenAI semantic
 conventions (`gen_ai.request.model`, `gen_ai.usage.input_tokens`, `gen_ai.usage.output_tokens`,
 `gen_ai.response.finish_reasons`) and `pdserve.request_id`.

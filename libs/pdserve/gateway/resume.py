@@ -61,7 +61,7 @@ def event_chunk(event: Event) -> TokenChunk | None:
     return None
 
 
-async def stored_events(bus: Bus, engine: AsyncEngine | None, request_id: str) -> list[Event]:
+async def stored_events(bus: Bus, db: AsyncEngine | None, request_id: str) -> list[Event]:
     """The request's events from JetStream and Postgres together (by event id), in stream order."""
     found: dict[str, tuple[int, Event]] = {}
     try:
@@ -69,9 +69,9 @@ async def stored_events(bus: Bus, engine: AsyncEngine | None, request_id: str) -
             found[rec.event.event_id] = (rec.stream_seq, rec.event)
     except Exception as e:  # NATS unreachable: Postgres alone
         log.warning("stream read of %s failed: %s", request_id, e)
-    if engine is not None:
+    if db is not None:
         try:
-            for rec in await queries.lifecycle_records(engine, request_id):
+            for rec in await queries.lifecycle_records(db, request_id):
                 found.setdefault(rec.event.event_id, (rec.stream_seq, rec.event))
         except Exception as e:  # Postgres down: JetStream alone
             log.warning("store read of %s failed: %s", request_id, e)
@@ -81,7 +81,7 @@ async def stored_events(bus: Bus, engine: AsyncEngine | None, request_id: str) -
 class ResumedGeneration(Generation):
     """A `Generation` fed from the journal and live streams instead of a fresh Submit.
 
-    Build with `await ResumedGeneration.open(bus, tokenizer, engine, request_id, last_event_id, ...)`,
+    Build with `await ResumedGeneration.open(bus, tokenizer, db, request_id, last_event_id, ...)`,
     which raises `APIError` 404 when no `RequestReceived` with the prompt is found; then `deltas()` and
     `close()` as for any `Generation`."""
 
@@ -92,7 +92,7 @@ class ResumedGeneration(Generation):
         cls,
         bus: Bus,
         tokenizer: Tokenizer,
-        engine: AsyncEngine | None,
+        db: AsyncEngine | None,
         request_id: str,
         last_event_id: int,
         timeout_s: float,
@@ -115,7 +115,7 @@ class ResumedGeneration(Generation):
 
         subs.append(await bus.subscribe(bus.subjects.tokens(request_id), TokenChunk, on_chunk))
         subs.append(await bus.subscribe(bus.subjects.event(request_id, "*"), Event, on_event))
-        history = await stored_events(bus, engine, request_id)
+        history = await stored_events(bus, db, request_id)
         received = next((e.typed_payload() for e in history if e.type == RequestReceived.type), None)
         if (
             not isinstance(received, RequestReceived)

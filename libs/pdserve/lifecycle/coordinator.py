@@ -20,6 +20,7 @@ from pdserve.lifecycle.liveness import WorkerLiveness
 from pdserve.lifecycle.recovery import Unfinished, Unresumable, plan, read_log
 from pdserve.lifecycle.request import RequestLifecycle, ResumePoint
 from pdserve.messages import Abort, Accepted, Ack, DecodeFinished, RejectCode, Submit, TokenChunk
+from pdserve.states import Phase, RecoveryAction
 from pdserve.telemetry import metrics
 
 log = logging.getLogger(__name__)
@@ -29,13 +30,13 @@ RECOVERY_BACKOFF_S = (0.5, 5.0)
 
 
 class Coordinator:
-    """Lifecycle: `Coordinator(bus, settings, engine)` → `await serve()` (handlers, liveness, recovery in
-    the background) → `await stop()`. `engine` (the event store) may be None: then nothing is recovered."""
+    """Lifecycle: `Coordinator(bus, settings, db)` → `await serve()` (handlers, liveness, recovery in
+    the background) → `await stop()`. `db` (the event store) may be None: then nothing is recovered."""
 
-    def __init__(self, bus: Bus, settings: CoordinatorSettings, engine: AsyncEngine | None = None) -> None:
+    def __init__(self, bus: Bus, settings: CoordinatorSettings, db: AsyncEngine | None = None) -> None:
         self.bus = bus
         self.settings = settings
-        self.engine = engine
+        self.db = db
         self.liveness = WorkerLiveness(bus, settings.worker_timeout_s)
         self.active: dict[str, tuple[RequestLifecycle, asyncio.Task]] = {}
         self.unclaimed: dict[str, tuple[float, DecodeFinished]] = {}
@@ -98,7 +99,7 @@ class Coordinator:
         await self.bus.serve(s.finished, DecodeFinished, self.finished)
         await self.bus.serve(s.abort, Abort, self.abort)
         await self.bus.serve(s.submit, Submit, self.submit, queue="coordinator")
-        if self.settings.recover_on_start and self.engine is not None:
+        if self.settings.recover_on_start and self.db is not None:
             self.bus.spawn(self.recover())
         else:
             self.recovered.set()
@@ -106,11 +107,11 @@ class Coordinator:
     async def recover(self) -> int:
         """Resume every unfinished request of the log; retried with backoff while Postgres or NATS cannot
         be read (new requests are served meanwhile). Returns the number resumed."""
-        assert self.engine is not None
+        assert self.db is not None
         delay = RECOVERY_BACKOFF_S[0]
         while True:
             try:
-                histories = await read_log(self.bus, self.engine)
+                histories = await read_log(self.bus, self.db)
                 break
             except Exception as e:  # Postgres or NATS down: the log is still there; wait for it
                 log.warning(
@@ -126,7 +127,8 @@ class Coordinator:
             if isinstance(found, Unresumable):
                 await self._fail_unresumable(found)
             elif isinstance(found, Unfinished):
-                action = "watch decode" if found.resume.decode_worker_id else "re-prefill"
+                action = (RecoveryAction.WATCH_DECODE if found.resume.decode_worker_id
+                          else RecoveryAction.RE_PREFILL)
                 await self.bus.emit(
                     request_id,
                     RequestRecovered(
@@ -144,7 +146,7 @@ class Coordinator:
 
     async def _fail_unresumable(self, found: Unresumable) -> None:
         log.warning("request %s cannot be resumed: %s", found.request_id, found.reason)
-        await self.bus.emit(found.request_id, RequestFailed(phase="recovery", reason=found.reason))
+        await self.bus.emit(found.request_id, RequestFailed(phase=Phase.RECOVERY, reason=found.reason))
         await self.bus.publish(
             self.bus.subjects.tokens(found.request_id),
             TokenChunk(request_id=found.request_id, index=0, error=f"recovery: {found.reason}"),

@@ -1,7 +1,8 @@
 """Reading the log back: a request's events from JetStream, and its committed output tokens.
 
 The events stream holds every event until the limits retention drops it; Postgres holds every event the
-recorder has committed (DESIGN §4). Recovery and migration read the stream with an ephemeral, ack-less
+recorder has committed (docs/architecture.md §7). Recovery and migration read the stream with an ephemeral,
+ack-less
 pull consumer filtered on a subject (`pds.events.<request_id>.TokensCommitted`, or `pds.events.>` from a
 start sequence), so they see events Postgres may not hold yet.
 """
@@ -17,7 +18,7 @@ from pydantic import ValidationError
 
 from pdserve.bus import Bus
 from pdserve.events import Event, TokensCommitted
-from pdserve.store.rows import RecordedEvent
+from pdserve.store import RecordedEvent
 
 log = logging.getLogger(__name__)
 

@@ -1,6 +1,6 @@
 """Which workers are alive, as the coordinator sees them: heartbeats on `pds.heartbeat.<worker_id>`.
 
-UCX runs with endpoint error handling off (DESIGN §9), so a worker that dies mid-transfer or
+UCX runs with endpoint error handling off (docs/architecture.md §10), so a worker that dies mid-transfer or
 mid-decode is noticed only by its heartbeats stopping. A worker is dead once it has been silent for
 `timeout_s` seconds — counted from its last heartbeat, or from when watching began if none was ever
 heard (a coordinator that restarts must also notice workers that died while it was down).

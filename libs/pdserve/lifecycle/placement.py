@@ -1,5 +1,5 @@
-"""One placement of a request: reserve decode KV (waiting, bounded, while decode is full), prefill with the
-transfer plan, start decode once the KV arrived verified.
+"""One placement of a request, as steps on its `RequestContext`: route, reserve decode KV (waiting,
+bounded, while decode is full), prefill with the transfer plan, start decode once the KV arrived verified.
 
 Admission: a request the coordinator accepted is *awaiting admission* until its first decode reservation;
 the coordinator counts those against `max_waiting_requests` when a Submit arrives (lifecycle/coordinator.py),
@@ -15,10 +15,10 @@ import time
 
 from opentelemetry import trace
 
-from pdserve.bus import RejectedError
-from pdserve.events import AdmissionDeferred, DecodeReserved
+from pdserve.bus import BusTimeout, RejectedError
+from pdserve.events import AdmissionDeferred, DecodeReserved, RequestRouted
 from pdserve.ids import new_id
-from pdserve.lifecycle.phases import PhaseFailed, Phases
+from pdserve.lifecycle.context import PhaseFailed, RequestContext
 from pdserve.messages import (
     DecodeAdmitted,
     PrefillRequest,
@@ -27,159 +27,206 @@ from pdserve.messages import (
     Reservation,
     ReserveRequest,
     RouteDecision,
+    RouteRequest,
     StartDecode,
 )
+from pdserve.states import Phase
 from pdserve.telemetry import metrics
 
 log = logging.getLogger(__name__)
 tracer = trace.get_tracer("pdserve.coordinator")
 
+ROUTE_RETRY_S = 0.25
 
-class Placement(Phases):
-    async def place(
-        self, decision: RouteDecision, prompt: tuple[int, ...], start_index: int, timings: dict[str, float]
-    ) -> DecodeAdmitted:
-        """Reserve, prefill `prompt` and start decode from output index `start_index`; a transfer that
-        fails verification is redone (fresh reservation and prefill) up to `max_prefill_attempts`."""
-        max_tokens = self.submit.sampling.max_tokens - start_index
-        for attempt in range(1, self.settings.max_prefill_attempts + 1):
-            timings["reserve"] = time.time()
-            reservation = await self._reserve(decision, len(prompt), max_tokens, prompt)
-            timings["prefill"] = time.time()
-            result = await self._prefill(decision, reservation, prompt)
-            timings["prefilled"] = time.time()
+
+async def route(ctx: RequestContext, prompt: tuple[int, ...]) -> RouteDecision:
+    """Ask the router for a placement of `prompt`; retried for `route_wait_s` while the router is
+    unreachable, has no live pair, or names a worker this coordinator already saw die. Raises
+    `PhaseFailed` (phase route) after that."""
+    ctx.enter(Phase.ROUTE, set())
+    settings = ctx.settings
+    t0 = time.perf_counter()
+    deadline = time.monotonic() + settings.route_wait_s
+    req = RouteRequest(
+        request_id=ctx.request_id,
+        num_prompt_tokens=len(prompt),
+        prompt_token_ids=prompt,
+        cache_salt=ctx.submit.cache_salt,
+    )
+    with tracer.start_as_current_span("coordinator.route"):
+        while True:
             try:
-                admitted = await self._start(decision, reservation, result, prompt, start_index)
+                decision = await ctx.bus.request(
+                    ctx.bus.subjects.route, req, RouteDecision, settings.route_timeout_s
+                )
+                dead = {
+                    w
+                    for w in (decision.prefill_worker_id, decision.decode_worker_id)
+                    if ctx.liveness.is_dead(w)
+                }
+                if not dead:
+                    break
+                reason = f"the router still lists dead {', '.join(sorted(dead))}"
+            except BusTimeout as e:
+                reason = f"router unreachable ({e})"
+            except RejectedError as e:
+                if e.code is not RejectCode.NO_WORKERS:
+                    raise
+                reason = e.message
+            if time.monotonic() + ROUTE_RETRY_S > deadline:
+                raise PhaseFailed(Phase.ROUTE, f"{reason} for {settings.route_wait_s} s")
+            await asyncio.sleep(ROUTE_RETRY_S)
+    await ctx.bus.emit(ctx.request_id, RequestRouted.of(decision, route_s=time.perf_counter() - t0))
+    return decision
+
+
+async def place(
+    ctx: RequestContext,
+    decision: RouteDecision,
+    prompt: tuple[int, ...],
+    start_index: int,
+    timings: dict[str, float],
+) -> DecodeAdmitted:
+    """Reserve, prefill `prompt` and start decode from output index `start_index`; a transfer that
+    fails verification is redone (fresh reservation and prefill) up to `max_prefill_attempts`, then
+    `PhaseFailed` (phase transfer). `timings` gets the UNIX seconds each step began."""
+    settings = ctx.settings
+    max_tokens = ctx.submit.sampling.max_tokens - start_index
+    for attempt in range(1, settings.max_prefill_attempts + 1):
+        timings["reserve"] = time.time()
+        reservation = await _reserve(ctx, decision, len(prompt), max_tokens, prompt)
+        timings["prefill"] = time.time()
+        result = await _prefill(ctx, decision, reservation, prompt)
+        timings["prefilled"] = time.time()
+        try:
+            admitted = await _start(ctx, decision, reservation, result, prompt, start_index)
+            break
+        except RejectedError as e:
+            if e.code is not RejectCode.TRANSFER_FAILED:
+                raise
+            log.warning("request %s: %s (attempt %d)", ctx.request_id, e.message, attempt)
+            await ctx.release(decision.prefill_worker_id, "transfer failed")
+    else:
+        raise PhaseFailed(Phase.TRANSFER, f"KV not verified after {settings.max_prefill_attempts} attempts")
+    if decision.prefill_worker_id != decision.decode_worker_id:
+        await ctx.release(decision.prefill_worker_id, "transferred")  # decode confirmed: prefill KV done
+    return admitted
+
+
+async def _reserve(
+    ctx: RequestContext,
+    decision: RouteDecision,
+    num_prompt_tokens: int,
+    max_tokens: int,
+    prompt: tuple[int, ...] = (),
+) -> Reservation:
+    """Reserve decode KV; while the decode worker is full, wait (bounded by `admission_wait_s`), then
+    fail with phase `admission`."""
+    settings = ctx.settings
+    worker = decision.decode_worker_id
+    ctx.enter(Phase.RESERVE, {worker})
+    req = ReserveRequest(
+        request_id=ctx.request_id,
+        transfer_id=new_id(),
+        num_prompt_tokens=num_prompt_tokens,
+        max_tokens=max_tokens,
+        lease_s=settings.prefill_timeout_s,
+        prompt_token_ids=prompt,
+        cache_salt=ctx.submit.cache_salt,
+    )
+    deadline = time.monotonic() + settings.admission_wait_s
+    delay, deferred = 0.02, False
+    t0 = time.perf_counter()
+    with tracer.start_as_current_span("coordinator.reserve"):
+        while True:
+            ctx.holders.add(worker)
+            try:
+                reservation = await ctx.command(
+                    worker,
+                    ctx.bus.request(ctx.bus.subjects.worker(worker, "reserve"), req, Reservation,
+                                    settings.reserve_timeout_s),
+                )
                 break
             except RejectedError as e:
-                if e.code is not RejectCode.TRANSFER_FAILED:
+                if e.code is not RejectCode.CAPACITY:
                     raise
-                log.warning("request %s: %s (attempt %d)", self.request_id, e.message, attempt)
-                await self._release(decision.prefill_worker_id, "transfer failed")
-        else:
-            raise PhaseFailed(
-                "transfer", f"KV not verified after {self.settings.max_prefill_attempts} attempts"
-            )
-        if decision.prefill_worker_id != decision.decode_worker_id:
-            await self._release(
-                decision.prefill_worker_id, "transferred"
-            )  # decode confirmed: prefill KV done
-        return admitted
-
-    async def _reserve(
-        self, decision: RouteDecision, num_prompt_tokens: int, max_tokens: int, prompt: tuple[int, ...] = ()
-    ) -> Reservation:
-        """Reserve decode KV; while the decode worker is full, wait (bounded by `admission_wait_s`), then
-        fail with phase `admission`."""
-        self.phase = "reserve"
-        worker = decision.decode_worker_id
-        self.watched = {worker}
-        req = ReserveRequest(
-            request_id=self.request_id,
-            transfer_id=new_id(),
-            num_prompt_tokens=num_prompt_tokens,
-            max_tokens=max_tokens,
-            lease_s=self.settings.prefill_timeout_s,
-            prompt_token_ids=prompt,
-            cache_salt=self.submit.cache_salt,
-        )
-        deadline = time.monotonic() + self.settings.admission_wait_s
-        delay, deferred = 0.02, False
-        t0 = time.perf_counter()
-        with tracer.start_as_current_span("coordinator.reserve"):
-            while True:
-                self.holders.add(worker)
-                try:
-                    reservation = await self.command(
-                        worker,
-                        self.bus.request(
-                            self.bus.subjects.worker(worker, "reserve"),
-                            req,
-                            Reservation,
-                            self.settings.reserve_timeout_s,
-                        ),
+                if not deferred:
+                    deferred = True
+                    metrics.ADMISSION_DEFERRED.labels(worker_id=worker).inc()
+                    await ctx.bus.emit(
+                        ctx.request_id, AdmissionDeferred(decode_worker_id=worker, reason=e.message)
                     )
-                    break
-                except RejectedError as e:
-                    if e.code is not RejectCode.CAPACITY:
-                        raise
-                    if not deferred:
-                        deferred = True
-                        metrics.ADMISSION_DEFERRED.labels(worker_id=worker).inc()
-                        await self.bus.emit(
-                            self.request_id, AdmissionDeferred(decode_worker_id=worker, reason=e.message)
-                        )
-                    if time.monotonic() + delay > deadline:
-                        raise PhaseFailed(
-                            "admission", f"decode {worker} full for {self.settings.admission_wait_s} s"
-                        ) from e
-                    await asyncio.sleep(delay)
-                    delay = min(delay * 2, 0.5)
-        self.awaiting_admission = False  # admitted; a failed or aborted request leaves the queue by ending
-        await self.bus.emit(
-            self.request_id,
-            DecodeReserved(
-                decode_worker_id=worker,
-                transfer_id=reservation.transfer_id,
-                num_tokens=reservation.num_tokens,
-                reserve_s=time.perf_counter() - t0,
+                if time.monotonic() + delay > deadline:
+                    raise PhaseFailed(
+                        Phase.ADMISSION, f"decode {worker} full for {settings.admission_wait_s} s"
+                    ) from e
+                await asyncio.sleep(delay)
+                delay = min(delay * 2, 0.5)
+    ctx.awaiting_admission = False  # admitted; a failed or aborted request leaves the queue by ending
+    await ctx.bus.emit(
+        ctx.request_id,
+        DecodeReserved(
+            decode_worker_id=worker,
+            transfer_id=reservation.transfer_id,
+            num_tokens=reservation.num_tokens,
+            reserve_s=time.perf_counter() - t0,
+        ),
+    )
+    return reservation
+
+
+async def _prefill(
+    ctx: RequestContext, decision: RouteDecision, reservation: Reservation, prompt: tuple[int, ...]
+) -> PrefillResult:
+    worker = decision.prefill_worker_id
+    ctx.enter(Phase.PREFILL, {worker, decision.decode_worker_id})
+    ctx.holders.add(worker)
+    with tracer.start_as_current_span("coordinator.prefill"):
+        return await ctx.command(
+            worker,
+            ctx.bus.request(
+                ctx.bus.subjects.worker(worker, "prefill"),
+                PrefillRequest(
+                    request_id=ctx.request_id,
+                    transfer_id=reservation.transfer_id,
+                    prompt_token_ids=prompt,
+                    sampling=ctx.submit.sampling,
+                    decode_worker_id=decision.decode_worker_id,
+                    endpoint=reservation.endpoint,
+                    decode_num_cached_tokens=reservation.num_cached_tokens,
+                    cache_salt=ctx.submit.cache_salt,
+                ),
+                PrefillResult,
+                ctx.settings.prefill_timeout_s,
             ),
         )
-        return reservation
 
-    async def _prefill(
-        self, decision: RouteDecision, reservation: Reservation, prompt: tuple[int, ...]
-    ) -> PrefillResult:
-        self.phase = "prefill"
-        worker = decision.prefill_worker_id
-        self.holders.add(worker)
-        self.watched = {worker, decision.decode_worker_id}
-        with tracer.start_as_current_span("coordinator.prefill"):
-            return await self.command(
-                worker,
-                self.bus.request(
-                    self.bus.subjects.worker(worker, "prefill"),
-                    PrefillRequest(
-                        request_id=self.request_id,
-                        transfer_id=reservation.transfer_id,
-                        prompt_token_ids=prompt,
-                        sampling=self.submit.sampling,
-                        decode_worker_id=decision.decode_worker_id,
-                        endpoint=reservation.endpoint,
-                        decode_num_cached_tokens=reservation.num_cached_tokens,
-                        cache_salt=self.submit.cache_salt,
-                    ),
-                    PrefillResult,
-                    self.settings.prefill_timeout_s,
-                ),
-            )
 
-    async def _start(
-        self,
-        decision: RouteDecision,
-        reservation: Reservation,
-        result: PrefillResult,
-        prompt: tuple[int, ...],
-        start_index: int,
-    ) -> DecodeAdmitted:
-        self.phase = "transfer"
-        worker = decision.decode_worker_id
-        self.watched = {worker}
-        with tracer.start_as_current_span("coordinator.start_decode"):
-            return await self.command(
-                worker,
-                self.bus.request(
-                    self.bus.subjects.worker(worker, "start"),
-                    StartDecode(
-                        request_id=self.request_id,
-                        transfer_id=reservation.transfer_id,
-                        first_token_id=result.first_token_id,
-                        prompt_token_ids=prompt,
-                        sampling=self.submit.sampling,
-                        output_start_index=start_index,
-                        first_token_logprobs=result.first_token_logprobs,
-                    ),
-                    DecodeAdmitted,
-                    self.settings.prefill_timeout_s,
+async def _start(
+    ctx: RequestContext,
+    decision: RouteDecision,
+    reservation: Reservation,
+    result: PrefillResult,
+    prompt: tuple[int, ...],
+    start_index: int,
+) -> DecodeAdmitted:
+    worker = decision.decode_worker_id
+    ctx.enter(Phase.TRANSFER, {worker})
+    with tracer.start_as_current_span("coordinator.start_decode"):
+        return await ctx.command(
+            worker,
+            ctx.bus.request(
+                ctx.bus.subjects.worker(worker, "start"),
+                StartDecode(
+                    request_id=ctx.request_id,
+                    transfer_id=reservation.transfer_id,
+                    first_token_id=result.first_token_id,
+                    prompt_token_ids=prompt,
+                    sampling=ctx.submit.sampling,
+                    output_start_index=start_index,
+                    first_token_logprobs=result.first_token_logprobs,
                 ),
-            )
+                DecodeAdmitted,
+                ctx.settings.prefill_timeout_s,
+            ),
+        )

@@ -1,6 +1,7 @@
 """Coordinator recovery: the unfinished requests of the log, each folded into where it resumes.
 
-DESIGN §4: recovery must see every event published before the crash. Postgres holds every event up to
+docs/architecture.md §7: recovery must see every event published before the crash. Postgres holds every event
+up to
 the recorder's ack floor (it acks only after commit, so every stream sequence ≤ the floor is committed);
 the rest — the stream's tail — is read from JetStream. Together they are the whole log, whether or not
 the recorder is running or caught up. Everything a resumed request needs is in its events: the prompt,
@@ -13,19 +14,16 @@ import logging
 from collections import defaultdict
 from typing import NamedTuple
 
-import nats.js.errors
 from sqlalchemy.ext.asyncio import AsyncEngine
 
+from pdserve import store
 from pdserve.bus import Bus
 from pdserve.events import Event, RequestMigrated, RequestReceived
 from pdserve.lifecycle.journal import committed_tokens, read_stream
 from pdserve.lifecycle.request import ResumePoint
 from pdserve.messages import Submit
-from pdserve.store import queries
-from pdserve.store.projection import fold
-from pdserve.store.recorder import DURABLE
-from pdserve.store.rows import RecordedEvent
-from pdserve.store.tables import TERMINAL_STATES
+from pdserve.states import TERMINAL_STATES, RequestState
+from pdserve.store import RecordedEvent
 
 log = logging.getLogger(__name__)
 
@@ -45,23 +43,13 @@ class Unresumable(NamedTuple):
     reason: str
 
 
-async def recorded_floor(bus: Bus, durable: str = DURABLE) -> int:
-    """The highest stream sequence at or below which Postgres holds every event (0 if no recorder ever
-    ran). Raises `nats.errors.Error` if NATS does not answer."""
-    try:
-        info = await bus.js.consumer_info(bus.settings.events_stream, durable)
-    except nats.js.errors.NotFoundError:
-        return 0
-    return info.ack_floor.stream_seq if info.ack_floor else 0
-
-
-async def read_log(bus: Bus, engine: AsyncEngine) -> dict[str, list[RecordedEvent]]:
+async def read_log(bus: Bus, db: AsyncEngine) -> dict[str, list[RecordedEvent]]:
     """Every event of every request the log does not show finished, by request, in stream order: events
     of unfinished projection rows from Postgres, plus the stream's tail past the recorder's ack floor.
     Raises the database's or NATS's error when either cannot be read."""
-    floor = await recorded_floor(bus)
-    rows = await queries.unfinished_requests(engine)
-    stored = await queries.events_of_requests(engine, [r["request_id"] for r in rows])
+    floor = await store.recorded_floor(bus)
+    rows = await store.unfinished_requests(db)
+    stored = await store.events_of_requests(db, [r["request_id"] for r in rows])
     tail = await read_stream(bus, bus.subjects.all_events, start_seq=floor + 1)
     by_request: dict[str, dict[str, RecordedEvent]] = defaultdict(dict)
     for rec in (*stored, *tail):
@@ -70,14 +58,14 @@ async def read_log(bus: Bus, engine: AsyncEngine) -> dict[str, list[RecordedEven
     # their whole history is needed to fold them.
     tail_only = {r.event.request_id for r in tail} - {r["request_id"] for r in rows}
     if tail_only:
-        for rec in await queries.events_of_requests(engine, sorted(tail_only)):
+        for rec in await store.events_of_requests(db, sorted(tail_only)):
             by_request[rec.event.request_id].setdefault(rec.event.event_id, rec)
     return {rid: sorted(evs.values(), key=lambda r: r.stream_seq) for rid, evs in by_request.items()}
 
 
 def plan(request_id: str, history: list[RecordedEvent]) -> Unfinished | Unresumable | None:
     """Where one request resumes, from its events in stream order; None if it is finished."""
-    row = fold(history)
+    row = store.fold(history)
     if row is None or row["state"] in TERMINAL_STATES:
         return None
     events: list[Event] = [r.event for r in history]
@@ -94,9 +82,10 @@ def plan(request_id: str, history: list[RecordedEvent]) -> Unfinished | Unresuma
         received_ts=payload.received_ts if payload.received_ts is not None else received.ts,
     )
     holders = frozenset(w for w in (row["prefill_worker_id"], row["decode_worker_id"]) if w)
-    decoding = row["state"] == "decoding"
+    state = RequestState(row["state"])
+    decoding = state is RequestState.DECODING
     resume = ResumePoint(
-        state=row["state"],
+        state=state,
         decode_worker_id=row["decode_worker_id"] if decoding else None,
         holders=holders,
         committed=tuple(committed_tokens(events)),

@@ -1,4 +1,4 @@
-"""One request's lifecycle across the pools, owned by the coordinator (DESIGN §2).
+"""One request's lifecycle across the pools, owned by the coordinator (docs/architecture.md §3).
 
 route → reserve decode KV (waiting, bounded, while decode is full) → prefill with the transfer plan →
 start decode (which waits for the KV to arrive verified) → wait for the decode to finish. Every phase
@@ -34,11 +34,12 @@ from pdserve.bus import Bus, BusTimeout, RejectedError
 from pdserve.config import CoordinatorSettings
 from pdserve.events import RequestAborted, RequestFailed, RequestMigrated
 from pdserve.lifecycle.completion import emit_completed
+from pdserve.lifecycle.context import PhaseFailed, RequestContext, WorkerLost
 from pdserve.lifecycle.journal import read_committed
 from pdserve.lifecycle.liveness import WorkerLiveness
-from pdserve.lifecycle.phases import PhaseFailed, WorkerLost
-from pdserve.lifecycle.placement import Placement
+from pdserve.lifecycle.placement import place, route
 from pdserve.messages import DecodeAdmitted, DecodeFinished, FinishReason, RouteDecision, Submit, TokenChunk
+from pdserve.states import Phase, RequestState
 
 log = logging.getLogger(__name__)
 tracer = trace.get_tracer("pdserve.coordinator")
@@ -49,10 +50,10 @@ __all__ = ["PhaseFailed", "RequestLifecycle", "ResumePoint", "WorkerLost"]
 @dataclass(frozen=True)
 class ResumePoint:
     """Where a recovered request picks up: its projection `state`, the decode worker it was running on
-    (None unless `state == "decoding"`), workers that may hold something of it, the output tokens
+    (None unless `state` is decoding), workers that may hold something of it, the output tokens
     committed so far and the migrations already made."""
 
-    state: str
+    state: RequestState
     decode_worker_id: str | None
     holders: frozenset[str]
     committed: tuple[int, ...]
@@ -68,7 +69,11 @@ class Attempt:
     timings: dict[str, float] = field(default_factory=dict)  # UNIX seconds at each phase start
 
 
-class RequestLifecycle(Placement):
+class RequestLifecycle:
+    """One request, from accepted to ended, on the coordinator: `run()` once, as a task; `on_finished`,
+    `finish_early` and `hand_off` from the coordinator's handlers. The steps of a placement are
+    lifecycle/placement.py's, on this lifecycle's `RequestContext` (`ctx`)."""
+
     def __init__(
         self,
         bus: Bus,
@@ -77,7 +82,9 @@ class RequestLifecycle(Placement):
         liveness: WorkerLiveness,
         resume: ResumePoint | None = None,
     ) -> None:
-        super().__init__(bus, settings, submit, liveness)
+        self.ctx = ctx = RequestContext(bus, settings, submit, liveness)
+        self.bus, self.settings, self.submit, self.liveness = bus, settings, submit, liveness
+        self.request_id = submit.request_id
         self.accepted_ts = time.time()
         self.resume = resume
         self.committed: list[int] = list(resume.committed) if resume else []
@@ -88,8 +95,17 @@ class RequestLifecycle(Placement):
         self.finished: asyncio.Future[DecodeFinished] = asyncio.get_running_loop().create_future()
         self.handed_off = False
         if resume:
-            self.holders |= set(resume.holders)
-            self.awaiting_admission = False  # admitted by the coordinator that accepted it
+            ctx.holders |= set(resume.holders)
+            ctx.awaiting_admission = False  # admitted by the coordinator that accepted it
+
+    @property
+    def phase(self) -> Phase:
+        return self.ctx.phase
+
+    @property
+    def awaiting_admission(self) -> bool:
+        """Accepted, never yet reserved decode KV: counted against `max_waiting_requests`."""
+        return self.ctx.awaiting_admission
 
     async def run(self) -> None:
         try:
@@ -110,7 +126,7 @@ class RequestLifecycle(Placement):
             )
         finally:
             if not self.handed_off:
-                await self._release_all()
+                await self.ctx.release_all()
 
     def hand_off(self) -> None:
         """The coordinator is stopping, not the request: cancelling the run then neither aborts nor
@@ -132,7 +148,7 @@ class RequestLifecycle(Placement):
                 await self._migrate(e)
         elif resume is not None:
             # Whatever the previous coordinator's attempt left on workers is freed; the run starts over.
-            await self._release_all()
+            await self.ctx.release_all()
         while done is None:
             try:
                 done = await self._run_once()
@@ -150,29 +166,28 @@ class RequestLifecycle(Placement):
             return await self._already_done(start_index)
         prompt = (*self.submit.prompt_token_ids, *self.committed)
         timings = {"route": time.time()}
-        decision = await self.route(prompt)
+        decision = await route(self.ctx, prompt)
         attempt = self.attempt = Attempt(decision, timings=timings)
         self.decode_worker = decision.decode_worker_id
         if self.first is None:
             self.first = attempt
-        attempt.admitted = await self.place(attempt.decision, prompt, start_index, timings)
+        attempt.admitted = await place(self.ctx, attempt.decision, prompt, start_index, timings)
         return await self._decode()
 
     async def _decode(self, stall_s: float | None = None) -> DecodeFinished:
         """Wait for the decode worker's `DecodeFinished`; `WorkerLost` when it dies first (or, with
         `stall_s`, when it streams nothing for that long)."""
         assert self.decode_worker is not None
-        self.phase = "decode"
-        self.watched = {self.decode_worker}
+        self.ctx.enter(Phase.DECODE, {self.decode_worker})
         with tracer.start_as_current_span("coordinator.decode"):
             wait = self._wait_finished() if stall_s is None else self._wait_finished_or_stall(stall_s)
-            return await self.watch(wait)
+            return await self.ctx.watch(wait)
 
     async def _wait_finished(self) -> DecodeFinished:
         try:
             return await asyncio.wait_for(asyncio.shield(self.finished), self.settings.decode_timeout_s)
         except TimeoutError as e:
-            raise PhaseFailed("decode", f"no finish within {self.settings.decode_timeout_s} s") from e
+            raise PhaseFailed(Phase.DECODE, f"no finish within {self.settings.decode_timeout_s} s") from e
 
     async def _wait_finished_or_stall(self, stall_s: float) -> DecodeFinished:
         last = [time.monotonic()]
@@ -190,10 +205,10 @@ class RequestLifecycle(Placement):
                     if time.monotonic() - last[0] > stall_s:
                         raise WorkerLost(
                             self.decode_worker or "",
-                            "decode",
+                            Phase.DECODE,
                             f"nothing streamed for {stall_s} s after recovery",
                         ) from None
-            raise PhaseFailed("decode", f"no finish within {self.settings.decode_timeout_s} s")
+            raise PhaseFailed(Phase.DECODE, f"no finish within {self.settings.decode_timeout_s} s")
         finally:
             await sub.unsubscribe()
 
@@ -224,8 +239,8 @@ class RequestLifecycle(Placement):
                 f"worker {lost.worker_id} lost ({lost.reason}); "
                 f"{self.settings.max_migrations} migrations allowed",
             )
-        await self._release_all()  # a silent-but-alive worker stops; a dead one costs one no-responders
-        self.holders.clear()
+        await self.ctx.release_all()  # a silent-but-alive worker stops; a dead one costs one no-responders
+        self.ctx.holders.clear()
         try:
             journal = await read_committed(self.bus, self.request_id)
         except Exception as e:  # NATS restarting: regenerate from what is known (more work, same tokens)
@@ -261,7 +276,7 @@ class RequestLifecycle(Placement):
     async def finish_early(self, finish_reason: FinishReason, reason: str) -> bool:
         """The gateway ended a decoding request as finished (a stop string): the decode worker commits
         its tokens and reports `DecodeFinished`, so the request completes. False if not decoding."""
-        if self.phase != "decode" or self.decode_worker is None:
+        if self.phase is not Phase.DECODE or self.decode_worker is None:
             return False
-        await self._release(self.decode_worker, reason, finish_reason)
+        await self.ctx.release(self.decode_worker, reason, finish_reason)
         return True

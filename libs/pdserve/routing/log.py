@@ -15,7 +15,7 @@ ROUTING_TYPES = ("RequestReceived", "RequestRouted", "PrefillCompleted")
 
 
 async def routed_requests(
-    engine: AsyncEngine, since: datetime | None = None, until: datetime | None = None
+    db: AsyncEngine, since: datetime | None = None, until: datetime | None = None
 ) -> list[RoutedRequest]:
     """Every request routed (a `RequestRouted` event) in [since, until), with its received and prefill
     events whenever they happened, in routing order. Raises `sqlalchemy.exc.DBAPIError` / `OSError`
@@ -31,6 +31,6 @@ async def routed_requests(
         .where(events.c.type.in_(ROUTING_TYPES))
         .order_by(events.c.stream_seq)
     )
-    async with engine.connect() as conn:
+    async with db.connect() as conn:
         rows = (await conn.execute(q)).mappings().all()
     return fold_routed(row_event(r).event for r in rows)

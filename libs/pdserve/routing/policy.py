@@ -39,7 +39,7 @@ from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import ClassVar
 
-from pdserve.config import RouterSettings
+from pdserve.config import PolicyName, RouterSettings
 from pdserve.messages import CandidateCost, Role
 
 
@@ -230,7 +230,7 @@ class Random(RoutingPolicy):
         return self._rng.randrange(len(candidates))
 
 
-POLICY_NAMES = ("kv", "round_robin", "least_loaded", "random")
+POLICY_NAMES = tuple(PolicyName)
 
 
 def make_policy(name: str, settings: RouterSettings | None = None) -> RoutingPolicy:

@@ -25,7 +25,7 @@ from dataclasses import dataclass, field
 from pdserve.config import RouterSettings
 from pdserve.messages import CompatibilityDescriptor, Heartbeat, Role, RouteRequest
 from pdserve.routing.cache_model import PrefixCacheModel
-from pdserve.routing.placement import Placer
+from pdserve.routing.router import Placer
 
 
 @dataclass(frozen=True)

@@ -1,4 +1,5 @@
-"""Create, drop and migrate event-store databases (Alembic; DESIGN §4: the app never creates tables).
+"""Create, drop and migrate event-store databases (Alembic; docs/architecture.md §7: the app never creates
+tables).
 
 All three are synchronous so a test fixture, `pdserve up` or a shell can call them; each runs its async
 work on a private event loop in a worker thread, so they also work when called from inside a running
@@ -49,9 +50,9 @@ def _check_name(name: str) -> str:
 
 async def _admin(admin_url: str, statements: list[str], exists_check: str | None = None) -> None:
     # CREATE/DROP DATABASE cannot run inside a transaction block.
-    engine = create_async_engine(admin_url, isolation_level="AUTOCOMMIT", poolclass=NullPool)
+    db = create_async_engine(admin_url, isolation_level="AUTOCOMMIT", poolclass=NullPool)
     try:
-        async with engine.connect() as conn:
+        async with db.connect() as conn:
             if exists_check is not None:
                 found = await conn.scalar(sa.text("SELECT 1 FROM pg_database WHERE datname = :n"),
                                           {"n": exists_check})
@@ -60,7 +61,7 @@ async def _admin(admin_url: str, statements: list[str], exists_check: str | None
             for stmt in statements:
                 await conn.execute(sa.text(stmt))
     finally:
-        await engine.dispose()
+        await db.dispose()
 
 
 def database_url(admin_url: str, name: str) -> str:

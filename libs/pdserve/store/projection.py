@@ -3,15 +3,17 @@
 `apply(row, event)` is used both live (the recorder, per committed batch) and by replay
 (`queries.rebuild_projections`), so replaying the events table gives exactly the rows the recorder
 wrote. Order is the JetStream stream sequence, never `ts`: several services stamp events with their own
-clocks (DESIGN §4).
+clocks (docs/architecture.md §7).
 
-State follows the lifecycle (DESIGN §2): received → routed → reserved → prefilling → transferred →
-decoding → completed | failed | aborted. A request that leaves its placement is `migrating`
-(`RequestMigrated`: a worker it depended on was lost) or `recovering` (`RequestRecovered` by a restarted
-coordinator that re-prefills it) until its next `RequestRouted`; a recovered request that keeps decoding
-on its worker (action "watch decode") stays `decoding`. A retry may step back (a second `DecodeReserved`
-after a failed transfer is `reserved` again), but a terminal state is final: a late event still fills in
-its fields, never the state. The worker columns keep the last placement until a new one replaces them.
+State follows the request state machine, `pdserve.states.TRANSITIONS` (docs/architecture.md §4): received →
+routed →
+reserved → prefilling → transferred → decoding → completed | failed | aborted. A request that leaves its
+placement is `migrating` (`RequestMigrated`: a worker it depended on was lost) or `recovering`
+(`RequestRecovered` by a restarted coordinator that re-prefills it) until its next `RequestRouted`; a
+recovered request that keeps decoding on its worker (action "watch decode") stays `decoding`. A retry may
+step back (a second `DecodeReserved` after a failed transfer is `reserved` again), but a terminal state
+is final: a late event still fills in its fields, never the state. The worker columns keep the last
+placement until a new one replaces them.
 Unknown event types, and events of a newer schema version, leave the row as it is (the event itself is
 kept in the `events` table); so does a payload that fails validation.
 """
@@ -43,14 +45,13 @@ from pdserve.events import (
     TokensCommitted,
     TransferCompleted,
 )
-from pdserve.store.tables import REQUEST_COLUMNS, TERMINAL_STATES
+from pdserve.messages import FinishReason
+from pdserve.states import TERMINAL_STATES, RequestState, next_state
+from pdserve.store.tables import REQUEST_COLUMNS
 
 Row = dict[str, Any]
 # Recorded, no column of their own: folding them only advances `last_stream_seq`.
 UNPROJECTED_TYPES = frozenset({AdmissionDeferred.type, ChecksumMismatch.type})
-# `RequestRecovered.action` of a request the restarted coordinator leaves decoding on its worker
-# (`Coordinator.recover`); any other action ("re-prefill") runs it again from route.
-WATCH_DECODE = "watch decode"
 
 
 def to_datetime(ts: float) -> datetime:
@@ -62,44 +63,39 @@ def empty_row(request_id: str) -> Row:
     """The row of a request no event has been folded into yet: every column present, all None."""
     row: Row = dict.fromkeys(REQUEST_COLUMNS)
     row["request_id"] = request_id
-    row["state"] = "received"
+    row["state"] = RequestState.RECEIVED.value
     row["last_stream_seq"] = 0
     return row
 
 
-def _fields(p: Payload, ts: float) -> tuple[str | None, Row]:
-    """(new state or None, columns to set) for one known payload; `ts` is the event's UNIX seconds (only
-    the events that set a timestamp column convert it: the conversion was an eighth of a fold's time)."""
+def _fields(p: Payload, ts: float) -> Row:
+    """The columns one known payload sets; `ts` is the event's UNIX seconds (only the events that set a
+    timestamp column convert it: the conversion was an eighth of a fold's time). The state is
+    `pdserve.states.next_state`'s business."""
     match p:
         case RequestReceived():
-            return "received", {"model": p.model, "prompt_tokens": p.num_prompt_tokens,
-                                "received_at": to_datetime(ts)}
+            return {"model": p.model, "prompt_tokens": p.num_prompt_tokens, "received_at": to_datetime(ts)}
         case RequestRouted():
-            return "routed", {"mode": p.mode, "prefill_worker_id": p.prefill_worker_id,
-                              "decode_worker_id": p.decode_worker_id, "route_s": p.route_s}
+            return {"mode": p.mode, "prefill_worker_id": p.prefill_worker_id,
+                    "decode_worker_id": p.decode_worker_id, "route_s": p.route_s}
         case DecodeReserved():
-            return "reserved", {"decode_worker_id": p.decode_worker_id, "reserve_s": p.reserve_s}
+            return {"decode_worker_id": p.decode_worker_id, "reserve_s": p.reserve_s}
         case PrefillStarted():
-            return "prefilling", {"prefill_worker_id": p.prefill_worker_id}
+            return {"prefill_worker_id": p.prefill_worker_id}
         case PrefillCompleted():
-            return None, {"cached_tokens": p.num_cached_tokens, "computed_tokens": p.num_computed_tokens,
-                          "kv_bytes": p.kv_bytes, "prefill_s": p.prefill_s}
+            return {"cached_tokens": p.num_cached_tokens, "computed_tokens": p.num_computed_tokens,
+                    "kv_bytes": p.kv_bytes, "prefill_s": p.prefill_s}
         case TransferCompleted():
-            # A failed checksum is followed by a retransfer; only a verified transfer moves the state.
-            state = "transferred" if p.checksum_ok else None
-            return state, {"kv_bytes": p.kv_bytes, "transfer_s": p.transfer_s}
+            return {"kv_bytes": p.kv_bytes, "transfer_s": p.transfer_s}
         case DecodeStarted():
-            return "decoding", {"decode_worker_id": p.decode_worker_id}
+            return {"decode_worker_id": p.decode_worker_id}
         case TokensCommitted():
-            return None, {"_committed_tokens": p.start_index + len(p.token_ids)}
-        case RequestMigrated():
-            return "migrating", {"_committed_tokens": p.num_committed_tokens}
-        case RequestRecovered():
-            state = "decoding" if p.action == WATCH_DECODE else "recovering"
-            return state, {"_committed_tokens": p.num_committed_tokens}
+            return {"_committed_tokens": p.start_index + len(p.token_ids)}
+        case RequestMigrated() | RequestRecovered():
+            return {"_committed_tokens": p.num_committed_tokens}
         case RequestCompleted():
             t = p.ttft
-            return "completed", {
+            return {
                 "finish_reason": str(p.finish_reason), "prompt_tokens": p.prompt_tokens,
                 "completion_tokens": p.completion_tokens, "ttft_s": t.ttft_s, "queue_s": t.queue_s,
                 "route_s": t.route_s, "reserve_s": t.reserve_s, "prefill_s": t.prefill_s,
@@ -107,12 +103,11 @@ def _fields(p: Payload, ts: float) -> tuple[str | None, Row]:
                 "e2e_s": p.e2e_s, "finished_at": to_datetime(ts),
             }
         case RequestFailed():
-            return "failed", {"failure_phase": p.phase, "failure_reason": p.reason,
-                              "finished_at": to_datetime(ts)}
+            return {"failure_phase": p.phase, "failure_reason": p.reason, "finished_at": to_datetime(ts)}
         case RequestAborted():
-            return "aborted", {"finish_reason": "abort", "failure_reason": p.reason,
-                               "finished_at": to_datetime(ts)}
-    return None, {}  # UNPROJECTED_TYPES never get here
+            return {"finish_reason": str(FinishReason.ABORT), "failure_reason": p.reason,
+                    "finished_at": to_datetime(ts)}
+    return {}  # UNPROJECTED_TYPES never get here
 
 
 def apply(row: Row | None, event: Event, stream_seq: int | None = None) -> Row:
@@ -137,15 +132,15 @@ def apply(row: Row | None, event: Event, stream_seq: int | None = None) -> Row:
         payload = None  # a malformed known payload is kept in `events`, like an unknown type
     if payload is None:
         return new
-    state, fields = _fields(payload, event.ts)
+    fields = _fields(payload, event.ts)
     if (committed := fields.pop("_committed_tokens", None)) is not None:
         # The journal only grows; a resend of an earlier chunk must not shrink the count.
         fields["completion_tokens"] = max(new["completion_tokens"] or 0, committed)
     if new["state"] in TERMINAL_STATES:
         # The terminal event's figures are the final word; late events may only fill gaps.
         fields = {k: v for k, v in fields.items() if new[k] is None}
-    elif state is not None:
-        new["state"] = state
+    elif (state := next_state(new["state"], payload)) is not None:
+        new["state"] = str(state)
     new.update(fields)
     return new
 

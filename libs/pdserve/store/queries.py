@@ -1,7 +1,7 @@
 """Reads of the event store, and replay (rebuilding the `requests` projection from the `events` table).
 
 Used by the gateway (`GET /v1/requests/{id}`), the coordinator at start (resume) and `pdserve replay`.
-Every function takes an `AsyncEngine` from `make_engine`; database errors propagate as
+Every function takes the `db` (an `AsyncEngine`) from `make_db`; database errors propagate as
 `sqlalchemy.exc.DBAPIError` (or `OSError` when the server cannot be reached).
 """
 
@@ -14,6 +14,7 @@ import sqlalchemy as sa
 from sqlalchemy.ext.asyncio import AsyncConnection, AsyncEngine, create_async_engine
 
 from pdserve.events import Event
+from pdserve.states import TERMINAL_STATES
 from pdserve.store.projection import Row, apply
 from pdserve.store.rows import (
     ROWS_PER_STATEMENT,
@@ -23,13 +24,14 @@ from pdserve.store.rows import (
     row_event,
     upsert_requests,
 )
-from pdserve.store.tables import REQUEST_STATES, TERMINAL_STATES, events, requests
+from pdserve.store.tables import REQUEST_STATES, events, requests
 
 
-def make_engine(url: str, **kwargs) -> AsyncEngine:
-    """An async engine for a SQLAlchemy asyncpg URL (`postgresql+asyncpg://user@host:port/db`).
-    Connections are checked before use, so a Postgres restart costs one failed statement, not a dead pool.
-    Call `await engine.dispose()` when done."""
+def make_db(url: str, **kwargs) -> AsyncEngine:
+    """The event store's handle for a SQLAlchemy asyncpg URL (`postgresql+asyncpg://user@host:port/db`):
+    a SQLAlchemy `AsyncEngine`, called `db` wherever it is held (`engine` means the model's). Connections
+    are checked before use, so a Postgres restart costs one failed statement, not a dead pool.
+    Call `await db.dispose()` when done."""
     return create_async_engine(url, pool_pre_ping=True, **kwargs)
 
 
@@ -44,34 +46,34 @@ def _aware(ts: datetime) -> datetime:
     return ts if ts.tzinfo is not None else ts.replace(tzinfo=UTC)
 
 
-async def lifecycle_records(engine: AsyncEngine, request_id: str,
+async def lifecycle_records(db: AsyncEngine, request_id: str,
                             since: datetime | None = None) -> list[RecordedEvent]:
     """Every stored event of `request_id` with its stream sequence, in stream order; only those with
     `ts >= since` when given (a naive `since` is UTC). [] for an unknown or malformed id."""
     rid = _uuid(request_id)
     if rid is None:
         return []
-    async with engine.connect() as conn:
+    async with db.connect() as conn:
         return await _records(conn, rid, since)
 
 
-async def lifecycle(engine: AsyncEngine, request_id: str) -> list[Event]:
+async def lifecycle(db: AsyncEngine, request_id: str) -> list[Event]:
     """Every stored event of `request_id`, in stream order (the order the services' steps happened in).
     [] for an unknown or malformed id."""
-    return [r.event for r in await lifecycle_records(engine, request_id)]
+    return [r.event for r in await lifecycle_records(db, request_id)]
 
 
-async def request_row(engine: AsyncEngine, request_id: str) -> Row | None:
+async def request_row(db: AsyncEngine, request_id: str) -> Row | None:
     """The `requests` projection row of `request_id` as a dict of every column (request_id a string,
     timestamps aware datetimes, durations in seconds, sizes in bytes), or None if unknown/malformed."""
     rid = _uuid(request_id)
     if rid is None:
         return None
-    async with engine.connect() as conn:
+    async with db.connect() as conn:
         return await _row(conn, rid)
 
 
-async def request_snapshot(engine: AsyncEngine, request_id: str,
+async def request_snapshot(db: AsyncEngine, request_id: str,
                            since: datetime | None = None) -> tuple[Row | None, list[RecordedEvent]]:
     """`request_row` and `lifecycle_records` of `request_id` read in one snapshot (REPEATABLE READ): the
     recorder commits a batch's events and their projection together, so read apart a batch committed in
@@ -79,7 +81,7 @@ async def request_snapshot(engine: AsyncEngine, request_id: str,
     rid = _uuid(request_id)
     if rid is None:
         return None, []
-    async with engine.connect() as conn:
+    async with db.connect() as conn:
         conn = await conn.execution_options(isolation_level="REPEATABLE READ")
         async with conn.begin():
             return await _row(conn, rid), await _records(conn, rid, since)
@@ -101,16 +103,16 @@ async def _records(conn: AsyncConnection, rid: str, since: datetime | None) -> l
     return out
 
 
-async def unfinished_requests(engine: AsyncEngine) -> list[Row]:
+async def unfinished_requests(db: AsyncEngine) -> list[Row]:
     """Projection rows of every request not yet completed, failed or aborted, oldest first (what the
     coordinator resumes at start, once `recorder.caught_up` says Postgres holds every event)."""
-    q = (sa.select(requests).where(requests.c.state.not_in(sorted(TERMINAL_STATES)))
+    q = (sa.select(requests).where(requests.c.state.not_in(sorted(map(str, TERMINAL_STATES))))
          .order_by(requests.c.received_at.nulls_first(), requests.c.request_id))
-    async with engine.connect() as conn:
+    async with db.connect() as conn:
         return [request_dict(r) for r in (await conn.execute(q)).mappings()]
 
 
-async def events_of_requests(engine: AsyncEngine, request_ids: list[str],
+async def events_of_requests(db: AsyncEngine, request_ids: list[str],
                              types: tuple[str, ...] = ()) -> list[RecordedEvent]:
     """Stored events of `request_ids` (only `types` when given), ordered by stream sequence. Used by
     coordinator recovery and resumable streams; malformed ids are skipped."""
@@ -120,13 +122,13 @@ async def events_of_requests(engine: AsyncEngine, request_ids: list[str],
     q = sa.select(events).where(events.c.request_id.in_(rids)).order_by(events.c.stream_seq)
     if types:
         q = q.where(events.c.type.in_(types))
-    async with engine.connect() as conn:
+    async with db.connect() as conn:
         return [row_event(r) for r in (await conn.execute(q)).mappings()]
 
 
-async def state_counts(engine: AsyncEngine) -> dict[str, int]:
+async def state_counts(db: AsyncEngine) -> dict[str, int]:
     """Number of `requests` rows per state, states in lifecycle order, absent states left out."""
-    async with engine.connect() as conn:
+    async with db.connect() as conn:
         q = sa.select(requests.c.state, sa.func.count()).group_by(requests.c.state)
         found = dict((await conn.execute(q)).all())
     return {s: found[s] for s in REQUEST_STATES if s in found}
@@ -154,14 +156,14 @@ async def _refold(conn: AsyncConnection, q: sa.Select) -> int:
     return written + len(pending)
 
 
-async def rebuild_projections(engine: AsyncEngine, since: datetime | None = None) -> int:
+async def rebuild_projections(db: AsyncEngine, since: datetime | None = None) -> int:
     """Replay: recompute `requests` from the `events` table in stream order, in one transaction, and
     return the number of request rows written. With `since` (naive = UTC), only requests having an event
     at or after it are recomputed (each from its whole history); without, every row is. Deterministic:
     running it twice yields identical rows. The live recorder waits on the table lock meanwhile, then
     folds its next batch onto the rebuilt rows."""
     order = (events.c.request_id, events.c.stream_seq)
-    async with engine.begin() as conn:
+    async with db.begin() as conn:
         # EXCLUSIVE blocks the recorder's projection writes but not readers (unlike TRUNCATE).
         await conn.execute(sa.text("LOCK TABLE requests IN EXCLUSIVE MODE"))
         if since is None:

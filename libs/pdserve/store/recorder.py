@@ -1,4 +1,5 @@
-"""The recorder: JetStream events stream → Postgres, the only writer of the event store (DESIGN §4).
+"""The recorder: JetStream events stream → Postgres, the only writer of the event store
+(docs/architecture.md §7).
 
 A durable pull consumer on `settings.events_stream` is read in batches of up to `settings.batch_size`
 events (`BatchPuller`: waiting at most `settings.fetch_timeout_s` for a first event, then `settings.linger_s`
@@ -81,19 +82,19 @@ class _Stopped(Exception):  # noqa: N818 (a signal, not an error)
 class Recorder:
     """Records the events stream into Postgres.
 
-    Lifecycle: `Recorder(bus, engine, settings)`; `await run(stop)` returns once `stop` is set and the
+    Lifecycle: `Recorder(bus, db, settings)`; `await run(stop)` returns once `stop` is set and the
     batch in hand is committed and acked (or, if Postgres is down, nak'ed for redelivery). The caller
-    owns `bus` and `engine` and closes them afterwards. Run exactly one recorder per stream (DESIGN §4:
-    a single writer): two folding the first events of one request concurrently could each upsert a row
-    that lacks the other's events.
+    owns `bus` and `db` and closes them afterwards. Run exactly one recorder per stream
+    (docs/architecture.md §7: a single writer): two folding the first events of one request concurrently
+    could each upsert a row that lacks the other's events.
     """
 
     def __init__(
-        self, bus: Bus, engine: AsyncEngine, settings: RecorderSettings, durable: str = DURABLE,
+        self, bus: Bus, db: AsyncEngine, settings: RecorderSettings, durable: str = DURABLE,
         consumer_check_s: float = CONSUMER_CHECK_S,
     ) -> None:
         self.bus = bus
-        self.engine = engine
+        self.db = db
         self.settings = settings
         self.durable = durable
         self.consumer_check_s = consumer_check_s
@@ -228,7 +229,7 @@ class Recorder:
         out once and kept while it works, so a batch does not pay the pool's checkout ping (three round
         trips) nor SQLAlchemy's per-statement machinery; dropped by `_release` after a database error."""
         if self._conns[slot] is None:
-            self._conns[slot] = await self.engine.connect()
+            self._conns[slot] = await self.db.connect()
         return (await self._conns[slot].get_raw_connection()).driver_connection
 
     async def _release(self, slot: int | None = None, broken: bool = False) -> None:
@@ -314,3 +315,14 @@ async def caught_up(bus: Bus, durable: str = DURABLE) -> bool:
     except nats.js.errors.NotFoundError:
         return False
     return info.num_pending == 0 and info.num_ack_pending == 0
+
+
+async def recorded_floor(bus: Bus, durable: str = DURABLE) -> int:
+    """The highest stream sequence at or below which Postgres holds every event: the recorder's ack floor
+    (it acks only after commit). 0 if no recorder ever ran. Raises `nats.errors.Error` if NATS does not
+    answer."""
+    try:
+        info = await bus.js.consumer_info(bus.settings.events_stream, durable)
+    except nats.js.errors.NotFoundError:
+        return 0
+    return info.ack_floor.stream_seq if info.ack_floor else 0

@@ -108,7 +108,8 @@ def event_record(stream_seq: int, event: Event) -> tuple[Any, ...]:
 
 async def insert_events(pg: asyncpg.Connection, records: Sequence[tuple[Any, ...]]) -> set[int]:
     """Insert `event_record`s (distinct event ids) into `events` in the transaction open on the driver
-    connection `pg`: one COPY straight into `events` (COPY is ~5× an executemany here, DESIGN §9).
+    connection `pg`: one COPY straight into `events` (COPY is ~5× an executemany here,
+    docs/architecture.md §10).
     Returns the stream sequences inserted (all of them). Raises `asyncpg.UniqueViolationError` (constraint
     `events_pkey`; the transaction is then aborted) if an event_id is already stored (a JetStream
     redelivery, or a republish outside the dedup window): redo the transaction with `insert_new_events`."""

@@ -1,4 +1,4 @@
-"""The event store's tables as SQLAlchemy Core metadata (DESIGN §4).
+"""The event store's tables as SQLAlchemy Core metadata (docs/architecture.md §7).
 
 The schema itself is made by the Alembic migrations in `migrations/`; these definitions are what the
 recorder and the queries read and write, and what `alembic revision --autogenerate` compares against.
@@ -13,13 +13,12 @@ from __future__ import annotations
 import sqlalchemy as sa
 from sqlalchemy.dialects.postgresql import JSONB
 
+from pdserve.states import RequestState
+
 metadata = sa.MetaData()
 
-REQUEST_STATES = (
-    "received", "routed", "reserved", "prefilling", "transferred", "decoding", "migrating", "recovering",
-    "completed", "failed", "aborted",
-)
-TERMINAL_STATES = frozenset({"completed", "failed", "aborted"})
+# The values `requests.state` may hold: `pdserve.states.RequestState`, in lifecycle order.
+REQUEST_STATES: tuple[str, ...] = tuple(s.value for s in RequestState)
 
 events = sa.Table(
     "events",

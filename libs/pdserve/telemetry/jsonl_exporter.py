@@ -1,4 +1,5 @@
-"""A span exporter that appends one JSON object per finished span to a file (DESIGN §6: the export used
+"""A span exporter that appends one JSON object per finished span to a file (docs/architecture.md §8: the
+export used
 when no OTLP collector is configured; `pdserve trace` reads these files back).
 
 One line = one span:

@@ -1,4 +1,5 @@
-"""Prometheus metrics of every pdserve process (DESIGN §6), in prometheus_client's default registry.
+"""Prometheus metrics of every pdserve process (docs/architecture.md §8), in prometheus_client's default
+registry.
 
 Names follow vLLM's (vllm/v1/metrics/loggers.py) with the `pdserve:` prefix where the meaning is the same;
 histogram buckets are vLLM's too, so dashboards written for vLLM read these. Counters are exposed with
@@ -20,7 +21,7 @@ ITL_BUCKETS_S = (0.01, 0.025, 0.05, 0.075, 0.1, 0.15, 0.2, 0.3, 0.4, 0.5, 0.75, 
 REQUEST_LATENCY_BUCKETS_S = (0.3, 0.5, 0.8, 1.0, 1.5, 2.0, 2.5, 5.0, 10.0, 15.0, 20.0, 30.0, 40.0, 50.0,
                              60.0, 120.0, 240.0, 480.0, 960.0, 1920.0, 7680.0)
 # One request's transfer spans from one block (SmolLM2-135M fp32: 30 layers x 24 KiB = 720 KiB, well under
-# 1 ms in shared memory, DESIGN §9) to a long prompt's hundreds of MiB (seconds over TCP).
+# 1 ms in shared memory, docs/architecture.md §10) to a long prompt's hundreds of MiB (seconds over TCP).
 TRANSFER_SECONDS_BUCKETS_S = (0.0005, 0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5,
                               5.0, 10.0)
 

@@ -1,4 +1,4 @@
-"""Tracing and logging setup, called once at the start of every pdserve process (DESIGN §6).
+"""Tracing and logging setup, called once at the start of every pdserve process (docs/architecture.md §8).
 
 Export goes to OTLP/HTTP when `OTEL_EXPORTER_OTLP_ENDPOINT` (or `OTEL_EXPORTER_OTLP_TRACES_ENDPOINT`)
 is set — the exporter reads the endpoint, headers and certificates from the standard OTel variables —
@@ -24,7 +24,7 @@ from pdserve.telemetry.logging import configure_logging
 log = logging.getLogger(__name__)
 
 # Without a reachable collector, the OTLP exporter's default 10 s timeout (plus retries) made process
-# shutdown block ~6.5 s on this machine; 1 s bounds it (DESIGN §9).
+# shutdown block ~6.5 s on this machine; 1 s bounds it (docs/architecture.md §10).
 OTLP_TIMEOUT_S = 1.0
 # The SDK default of 5 s would leave a just-finished request invisible to `pdserve trace` for seconds.
 SCHEDULE_DELAY_MS = 500

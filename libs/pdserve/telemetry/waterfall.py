@@ -20,7 +20,7 @@ KV_BYTES_ATTR = "pdserve.kv_bytes"
 CHECKSUM_OK_ATTR = "pdserve.checksum_ok"
 COORDINATOR_REQUEST_SPAN = "coordinator.request"
 TTFT_ATTR = "pdserve.ttft_s"
-# (label, attribute) in the order the phases happen (DESIGN §2 steps 2–6).
+# (label, attribute) in the order the phases happen (docs/architecture.md §3 steps 2–6).
 TTFT_PHASE_ATTRS = (
     ("queue", "pdserve.ttft.queue_s"),
     ("route", "pdserve.ttft.route_s"),

@@ -1,4 +1,4 @@
-"""KV cache transfer between prefill and decode workers (DESIGN §3, data plane).
+"""KV cache transfer between prefill and decode workers (docs/architecture.md §6, data plane).
 
 `make_transport("ucxx")` — UCX shared memory (or TCP via `UCX_TLS`), the production path;
 `make_transport("tcp")` — plain asyncio TCP, the no-RDMA baseline. Both implement `KVTransport`.
@@ -6,6 +6,7 @@
 
 from __future__ import annotations
 
+from pdserve.messages import KVTransportKind
 from pdserve.transfer.base import (
     ChecksumMismatchError,
     Inbound,
@@ -17,13 +18,13 @@ from pdserve.transfer.base import (
 )
 
 
-def make_transport(kind: str) -> KVTransport:
+def make_transport(kind: KVTransportKind | str) -> KVTransport:
     """A new, not yet started transport of `kind` ('ucxx' | 'tcp'). Raises ValueError for another kind."""
-    if kind == "ucxx":
+    if kind == KVTransportKind.UCXX:
         from pdserve.transfer.ucxx_transport import UcxxTransport
 
         return UcxxTransport()
-    if kind == "tcp":
+    if kind == KVTransportKind.TCP:
         from pdserve.transfer.tcp_transport import TcpTransport
 
         return TcpTransport()

@@ -18,7 +18,7 @@ from enum import StrEnum
 
 import torch
 
-from pdserve.messages import KVEndpoint
+from pdserve.messages import KVEndpoint, KVTransportKind
 
 
 class TransferError(Exception):
@@ -187,7 +187,7 @@ class KVTransport(ABC):
     byte flipped after their checksum was computed.
     """
 
-    kind: str
+    kind: KVTransportKind
 
     def __init__(self) -> None:
         self.corrupt_next = 0

@@ -1,5 +1,5 @@
 """The control messages of the KV data plane: one `ChunkHeader` before each payload, one `FinishMarker`
-after a transfer's last chunk (DESIGN §3, data plane).
+after a transfer's last chunk (docs/architecture.md §6, data plane).
 
 On the wire a control message is a 4-byte little-endian length and the message's JSON (pydantic v2),
 at most `MAX_CONTROL_BYTES` in all, so a receiver can post one fixed buffer for it.
@@ -38,11 +38,6 @@ class ChunkHeader(Message):
     traceparent: str | None = None
     payload_tag: int = 0
     piece_bytes: int = Field(default=0, ge=0)
-
-    @property
-    def num_pieces(self) -> int:
-        """Pieces the payload travels in (1 when `piece_bytes` is 0 or not smaller than `nbytes`)."""
-        return len(piece_ranges(self.nbytes, self.piece_bytes))
 
 
 class FinishMarker(Message):

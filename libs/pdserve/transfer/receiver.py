@@ -131,10 +131,6 @@ class ReceiveTable:
         if inbound is not None:
             inbound.record_finish(marker.num_layers, marker.num_chunks)
 
-    def cancel_all(self) -> None:
-        for inbound in list(self._active.values()):
-            inbound.cancel()
-
     def _buffer_view(self, inbound: Inbound, header: ChunkHeader) -> np.ndarray:
         layers = self._layers[inbound.transfer_id]
         if header.layer >= len(layers):

@@ -1,9 +1,10 @@
-"""KV transfer over plain asyncio TCP: the no-RDMA baseline behind the same interface (DESIGN §3).
+"""KV transfer over plain asyncio TCP: the no-RDMA baseline behind the same interface
+(docs/architecture.md §6).
 
 One connection per peer, reused; on it each chunk is a length-prefixed `ChunkHeader` then its payload
 bytes, a transfer ends with a `FinishMarker`. The receiver reads payloads with `loop.sock_recv_into`
 straight into the expected transfer's buffer view (`StreamReader.readexactly` into bytes measured
-0.2 GB/s at 256 MiB here, `sock_recv_into` ~3 GB/s — DESIGN §9).
+0.2 GB/s at 256 MiB here, `sock_recv_into` ~3 GB/s — docs/architecture.md §10).
 """
 
 from __future__ import annotations
@@ -14,7 +15,7 @@ import socket
 
 import numpy as np
 
-from pdserve.messages import KVEndpoint
+from pdserve.messages import KVEndpoint, KVTransportKind
 from pdserve.transfer.base import TransferError
 from pdserve.transfer.checksum import xxh3_hex_async
 from pdserve.transfer.chunked import ChunkedTransport, flip_one_byte
@@ -46,7 +47,7 @@ class TcpTransport(ChunkedTransport):
     """`KVTransport` over asyncio TCP sockets. The endpoint address is `host:port` of the listening socket
     (port 0 is bound and the real port published: a port left in TIME_WAIT cannot be rebound)."""
 
-    kind = "tcp"
+    kind = KVTransportKind.TCP
 
     def __init__(self, host: str = "127.0.0.1") -> None:
         super().__init__()
@@ -72,7 +73,7 @@ class TcpTransport(ChunkedTransport):
     def endpoint(self) -> KVEndpoint:
         if self._address is None:
             raise RuntimeError("TcpTransport is not started")
-        return KVEndpoint(transport="tcp", address=self._address)
+        return KVEndpoint(transport=KVTransportKind.TCP, address=self._address)
 
     async def stop(self) -> None:
         for task in list(self._tasks):

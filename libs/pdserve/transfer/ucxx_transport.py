@@ -1,4 +1,4 @@
-"""KV transfer over UCX (`ucxx`, the maintained successor of ucx-py; DESIGN §3, §9).
+"""KV transfer over UCX (`ucxx`, the maintained successor of ucx-py; docs/architecture.md §6, §10).
 
 Receiver: one UCX worker per process, published as the endpoint address (base64 of its UCX worker
 address, handed to peers out of band in the Reservation). It receives with worker-level tagged receives,
@@ -14,7 +14,8 @@ consecutive tags unique to this sender (random 31-bit sender id, 32-bit sequence
 once. UCX copies each piece with one kernel `process_vm_readv` by the receiver (CMA rendezvous);
 benchmarks/transfer.py measures that copy's ceiling and bare ucxx beside this transport.
 
-Configuration: shared memory (`UCX_TLS=sm,self`; DESIGN §9 measured bare ucxx at 5.4 / 7.0 / 7.7 GB/s at
+Configuration: shared memory (`UCX_TLS=sm,self`; docs/architecture.md §10 measured bare ucxx at 5.4 / 7.0 /
+7.7 GB/s at
 1 / 16 / 256 MiB, against 1.9-2.0 for UCX over TCP), `endpoint_error_handling=False`, and a UCX progress
 thread (see `_DEFAULT_PROGRESS_MODE`). With error handling off a dead peer is not reported here: workers
 detect it by heartbeats. `UCX_TLS` / `UCXPY_PROGRESS_MODE` in the environment override the defaults (e.g.
@@ -34,7 +35,7 @@ import numpy as np
 from ucxx._lib.arr import Array
 from ucxx.types import Tag
 
-from pdserve.messages import KVEndpoint
+from pdserve.messages import KVEndpoint, KVTransportKind
 from pdserve.transfer.base import TransferError
 from pdserve.transfer.checksum import StreamingXxh3, xxh3_hex_async
 from pdserve.transfer.chunked import ChunkedTransport, flip_one_byte
@@ -99,7 +100,7 @@ class UcxxTransport(ChunkedTransport):
     """`KVTransport` over UCX tagged messages. At most one is started per process (it owns the process's
     UCX worker); `start()` raises RuntimeError for a second."""
 
-    kind = "ucxx"
+    kind = KVTransportKind.UCXX
 
     def __init__(self) -> None:
         super().__init__()
@@ -124,7 +125,7 @@ class UcxxTransport(ChunkedTransport):
     def endpoint(self) -> KVEndpoint:
         if self._address is None:
             raise RuntimeError("UcxxTransport is not started")
-        return KVEndpoint(transport="ucxx", address=self._address)
+        return KVEndpoint(transport=KVTransportKind.UCXX, address=self._address)
 
     async def stop(self) -> None:
         global _context_owner

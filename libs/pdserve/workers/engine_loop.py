@@ -9,19 +9,16 @@ from __future__ import annotations
 import asyncio
 import logging
 import time
+from collections.abc import Awaitable, Callable
 from dataclasses import dataclass
-from typing import TYPE_CHECKING
 
 from opentelemetry import trace
 
-from pdserve.bus import BusTimeout, RejectedError
-from pdserve.engine.llm_engine import StepOutput
+from pdserve.bus import Bus, BusTimeout, RejectedError
+from pdserve.engine.llm_engine import LLMEngine, StepOutput
 from pdserve.engine.sequence import Sequence
 from pdserve.events import TokensCommitted
 from pdserve.messages import Ack, DecodeFinished, FinishReason, RejectCode, TokenChunk, TokenLogprobs
-
-if TYPE_CHECKING:
-    from pdserve.workers.worker import Worker
 
 log = logging.getLogger(__name__)
 tracer = trace.get_tracer("pdserve.worker")
@@ -41,9 +38,19 @@ class DecodeStream:
 
 
 class EngineLoop:
-    def __init__(self, worker: Worker) -> None:
-        self.worker = worker
-        self.engine = worker.engine
+    """The loop of one worker's engine. `compute` is the worker's engine lock (every engine call, here and
+    in the command handlers, holds it); `after_step` runs after every step, outside the lock (the worker
+    flushes its KV cache events); `commit_every_tokens` is how many streamed tokens a `TokensCommitted`
+    may lag behind."""
+
+    def __init__(self, engine: LLMEngine, compute: asyncio.Lock, bus: Bus, worker_id: str, *,
+                 commit_every_tokens: int, after_step: Callable[[], Awaitable[None]]) -> None:
+        self.engine = engine
+        self.compute = compute
+        self.bus = bus
+        self.worker_id = worker_id
+        self.commit_every_tokens = commit_every_tokens
+        self.after_step = after_step
         self.streams: dict[str, DecodeStream] = {}
         self.prefills: dict[str, asyncio.Future[tuple[int, TokenLogprobs | None]]] = {}
         self._wakeup = asyncio.Event()
@@ -72,15 +79,14 @@ class EngineLoop:
 
     async def run(self) -> None:
         """Forever: one engine step (in a thread, under the worker's compute lock), then its outputs."""
-        worker = self.worker
         while True:
             if not self.engine.has_work:
                 self._wakeup.clear()
                 await self._wakeup.wait()
                 continue
-            async with worker.compute:
+            async with self.compute:
                 outputs = await asyncio.to_thread(self.engine.step)
-            await worker.kv_events.flush()
+            await self.after_step()
             for out in outputs:
                 await self._dispatch(out)
             if not outputs:
@@ -95,7 +101,7 @@ class EngineLoop:
             seq, tracer.start_span("decode.generate", attributes={"pdserve.request_id": seq.request_id})
         )
         self.streams[seq.request_id] = stream
-        async with self.worker.compute:
+        async with self.compute:
             reason = self.engine.admit(seq, first_token_id)
         stream.first_token_ts = time.time()
         await self._emit(
@@ -108,7 +114,7 @@ class EngineLoop:
         """End a decoding sequence as finished (e.g. the gateway matched a stop string)."""
         stream = self.streams.get(request_id)
         if stream is not None:
-            async with self.worker.compute:
+            async with self.compute:
                 self.engine.free(stream.seq)
             await self._commit(stream)
             self._finish(stream, reason)
@@ -138,7 +144,7 @@ class EngineLoop:
         reason: FinishReason | None,
         logprobs: TokenLogprobs | None = None,
     ) -> None:
-        seq, bus = stream.seq, self.worker.bus
+        seq, bus = stream.seq, self.bus
         await bus.publish(
             bus.subjects.tokens(seq.request_id),
             TokenChunk(
@@ -153,7 +159,7 @@ class EngineLoop:
         stream.num_streamed += len(token_ids)
         if (
             reason is not None
-            or stream.num_streamed - stream.num_committed >= self.worker.settings.commit_every_tokens
+            or stream.num_streamed - stream.num_committed >= self.commit_every_tokens
         ):
             await self._commit(stream)
         if reason is not None:
@@ -163,10 +169,10 @@ class EngineLoop:
         seq = stream.seq
         new = seq.output_token_ids[stream.num_committed : stream.num_streamed]
         if new:
-            await self.worker.bus.emit(
+            await self.bus.emit(
                 seq.request_id,
                 TokensCommitted(start_index=seq.output_start_index + stream.num_committed, token_ids=new),
-                self.worker.worker_id,
+                self.worker_id,
             )
             stream.num_committed = stream.num_streamed
 
@@ -178,16 +184,16 @@ class EngineLoop:
         stream.span.end()
         msg = DecodeFinished(
             request_id=seq.request_id,
-            worker_id=self.worker.worker_id,
+            worker_id=self.worker_id,
             finish_reason=reason,
             num_output_tokens=seq.output_start_index + stream.num_streamed,
             first_token_ts=stream.first_token_ts or time.time(),
             last_token_ts=time.time(),
         )
-        self.worker.bus.spawn(self._tell_coordinator(msg))
+        self.bus.spawn(self._tell_coordinator(msg))
 
     async def _tell_coordinator(self, msg: DecodeFinished, attempts: int = 10) -> None:
-        bus = self.worker.bus
+        bus = self.bus
         for attempt in range(attempts):
             try:
                 await bus.request(bus.subjects.finished, msg, Ack, timeout_s=2.0)

@@ -1,4 +1,4 @@
-"""A worker's KV transfer plumbing, apart from its role handlers (DESIGN §3, data plane).
+"""A worker's KV transfer plumbing, apart from its role handlers (docs/architecture.md §6, data plane).
 
 Prefill side, `OutboundKV`: the engine's KV sink. In `layerwise` mode each layer's new rows are sent the
 moment that layer is computed (while the next layer computes), and the end marker right behind the last

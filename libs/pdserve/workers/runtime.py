@@ -11,6 +11,7 @@ import torch
 from pdserve.bus import Bus
 from pdserve.config import WorkerSettings
 from pdserve.engine.loader import load_model
+from pdserve.messages import Role
 from pdserve.service import run_service
 from pdserve.transfer import make_transport
 from pdserve.workers.worker import Worker
@@ -18,7 +19,7 @@ from pdserve.workers.worker import Worker
 log = logging.getLogger(__name__)
 
 
-def run_worker(default_role: str) -> None:
+def run_worker(default_role: Role) -> None:
     settings = WorkerSettings()
     if "PDS_ROLE" not in os.environ:
         settings.role = default_role
@@ -30,7 +31,7 @@ def run_worker(default_role: str) -> None:
     async def setup(bus: Bus):
         loaded = await asyncio.to_thread(load_model, settings.model, settings.weights_cache_dir)
         transport = None
-        if settings.role != "unified":
+        if settings.role is not Role.UNIFIED:
             transport = make_transport(settings.kv_transport)
             await transport.start()
         worker = Worker(bus, settings, loaded, transport)

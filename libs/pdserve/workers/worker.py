@@ -28,7 +28,7 @@ from concurrent.futures import ThreadPoolExecutor
 from opentelemetry import trace
 
 from pdserve.bus import Bus, RejectedError
-from pdserve.config import WorkerSettings
+from pdserve.config import KVTransferMode, WorkerSettings
 from pdserve.engine.llm_engine import CannotFit, EngineConfig, LLMEngine, NoFreeBlocks
 from pdserve.engine.loader import LoadedModel
 from pdserve.engine.model import LlamaModel
@@ -46,6 +46,8 @@ from pdserve.messages import (
     DecodeAdmitted,
     Heartbeat,
     KVEndpoint,
+    KVTransportKind,
+    PrefillOutcome,
     PrefillRequest,
     PrefillResult,
     RejectCode,
@@ -60,12 +62,10 @@ from pdserve.transfer.base import ChecksumMismatchError, KVTransport, TransferSt
 from pdserve.workers.engine_loop import EngineLoop
 from pdserve.workers.kv_events import KVEventPublisher
 from pdserve.workers.kv_transfer import InboundKV, OutboundKV
-from pdserve.workers.slots import Slot, SlotTable
+from pdserve.workers.reserved_kv import ReservedKV, ReservedKVTable
 
 log = logging.getLogger(__name__)
 tracer = trace.get_tracer("pdserve.worker")
-
-TRANSFER_MODES = ("layerwise", "naive")
 
 LAYOUT_VERSION = (
     2  # per layer [num_blocks, block_size, 2, kv_heads, head_dim] fp32; transfers carry token rows
@@ -79,7 +79,7 @@ class Worker:
         self.bus = bus
         self.settings = settings
         self.worker_id = settings.worker_id
-        self.role = Role(settings.role)
+        self.role = settings.role
         self.loaded = loaded
         self.model = LlamaModel(loaded.config, loaded.weights)
         self.engine = LLMEngine(
@@ -93,19 +93,17 @@ class Worker:
             ),
             loaded.tokenizer.stop_token_ids,
         )
-        if settings.kv_transfer_mode not in TRANSFER_MODES:
-            raise ValueError(
-                f"kv_transfer_mode {settings.kv_transfer_mode!r}: expected one of {TRANSFER_MODES}"
-            )
         self.transport = transport
         self.transfers_sent = 0  # KV transfers this worker began sending (drives kv_corrupt_every_n)
         # Received KV is scattered into the blocks here, one chunk at a time, off the event loop.
         self.scatter_pool = ThreadPoolExecutor(max_workers=1, thread_name_prefix=f"{self.worker_id}-scatter")
-        self.slots = SlotTable()
+        self.reserved = ReservedKVTable()
         self.prefilling: dict[str, Sequence] = {}  # prefill role: sequences computing for a decode worker
         self.compute = asyncio.Lock()  # one engine call at a time on this worker's core
-        self.loop = EngineLoop(self)
         self.kv_events = KVEventPublisher(bus, self.worker_id, self.engine.block_manager)
+        self.loop = EngineLoop(self.engine, self.compute, bus, self.worker_id,
+                               commit_every_tokens=settings.commit_every_tokens,
+                               after_step=self.kv_events.flush)
         cfg = loaded.config
         self.descriptor = CompatibilityDescriptor(
             model=loaded.name,
@@ -130,7 +128,7 @@ class Worker:
                 RejectCode.INVALID,
                 f"{len(req.prompt_token_ids)} prompt token ids for num_prompt_tokens {req.num_prompt_tokens}",
             )
-        if self.slots.get(req.request_id) is not None:
+        if self.reserved.get(req.request_id) is not None:
             raise RejectedError(RejectCode.DUPLICATE, f"request {req.request_id} already reserved")
         prompt = req.prompt_token_ids or (0,) * req.num_prompt_tokens  # placeholder until `start` tells
         seq = Sequence(req.request_id, prompt, cache_salt=req.cache_salt)
@@ -143,17 +141,17 @@ class Worker:
                 raise RejectedError(RejectCode.CAPACITY, str(e)) from e
         if known:
             self._count_prefix_cache(req.num_prompt_tokens, seq.num_cached_tokens)
-        slot = Slot(req.request_id, req.transfer_id, seq, lease_deadline=time.monotonic() + req.lease_s)
+        held = ReservedKV(req.request_id, req.transfer_id, seq,
+                          lease_deadline=time.monotonic() + req.lease_s)
         if self.transport is not None:
             try:
-                slot.kv = self._expect(req, seq)
+                held.kv = self._expect(req, seq)
             except ValueError as e:
                 await self._free(seq)
                 raise RejectedError(RejectCode.DUPLICATE, str(e)) from e
-        self.slots.add(slot)
-        endpoint = (
-            self.transport.endpoint() if self.transport else KVEndpoint(transport="tcp", address="local")
-        )
+        self.reserved.add(held)
+        endpoint = (self.transport.endpoint() if self.transport
+                    else KVEndpoint(transport=KVTransportKind.TCP, address="local"))
         return Reservation(
             request_id=req.request_id,
             transfer_id=req.transfer_id,
@@ -193,18 +191,18 @@ class Worker:
             await self.loop.finish_now(req.request_id, req.finish_reason)
         self.loop.stop(req.request_id)
         self.loop.fail_prefill(req.request_id, req.reason)
-        slot = self.slots.pop(req.request_id)
-        if slot is not None:
-            await self._free_slot(slot)
+        held = self.reserved.pop(req.request_id)
+        if held is not None:
+            await self._free_reserved(held)
         elif (seq := self.prefilling.pop(req.request_id, None)) is not None:
             await self._free(seq)
         return Ack()
 
-    async def _free_slot(self, slot: Slot) -> None:
-        """Free a popped slot's blocks once nothing writes into them any more."""
-        if slot.kv is not None:
-            await slot.kv.drained()
-        await self._free(slot.seq)
+    async def _free_reserved(self, held: ReservedKV) -> None:
+        """Free popped reserved KV once nothing writes into its blocks any more."""
+        if held.kv is not None:
+            await held.kv.drained()
+        await self._free(held.seq)
 
     async def _free(self, seq: Sequence) -> None:
         async with self.compute:
@@ -221,16 +219,16 @@ class Worker:
             )
         outbound: OutboundKV | None = None
         if local:
-            slot = self.slots.get(req.request_id)
-            if slot is None or slot.seq.status is not SequenceStatus.RESERVED:
+            held = self.reserved.get(req.request_id)
+            if held is None or held.seq.status is not SequenceStatus.RESERVED:
                 raise RejectedError(
                     RejectCode.NOT_FOUND, f"no reservation awaiting prefill for {req.request_id}"
                 )
-            if slot.kv is not None:  # prefilled here: no KV will arrive for this reservation
-                slot.kv.cancel()
-                await slot.kv.drained()
-                slot.kv = None
-            seq = slot.seq
+            if held.kv is not None:  # prefilled here: no KV will arrive for this reservation
+                held.kv.cancel()
+                await held.kv.drained()
+                held.kv = None
+            seq = held.seq
             seq.token_ids = list(req.prompt_token_ids)  # the reserved ids may have been a placeholder
             seq.set_sampling(req.sampling)
             first = self.loop.expect_prefill(req.request_id)
@@ -242,7 +240,7 @@ class Worker:
             seq.num_sent_tokens = req.decode_num_cached_tokens
             self._inject_faults()
             outbound = OutboundKV(self.transport, req, self.loaded.config.num_layers,
-                                  naive=self.settings.kv_transfer_mode == "naive")
+                                  naive=self.settings.kv_transfer_mode is KVTransferMode.NAIVE)
             seq.kv_sink = outbound.on_layer
             first = self.loop.expect_prefill(req.request_id)
             async with self.compute:
@@ -271,23 +269,22 @@ class Worker:
             # (benchmarks/exposed_transfer.py measures it from this event to TransferCompleted).
             prefill_s = time.perf_counter() - t0
             cached = seq.num_cached_tokens
-            kv_bytes = outbound.kv_bytes if outbound is not None else 0
-            # What the event and the reply share (the reply's kv_bytes: once every send is delivered).
-            outcome = dict(transfer_id=req.transfer_id, first_token_id=first_token, num_cached_tokens=cached,
-                           num_computed_tokens=num_prompt - cached, prefill_s=prefill_s)
-            await self.bus.emit(
-                req.request_id,
-                PrefillCompleted(prefill_worker_id=self.worker_id, kv_bytes=kv_bytes, **outcome),
-                self.worker_id,
+            # What the event and the reply share; the event's kv_bytes are those sent so far.
+            outcome = PrefillOutcome(
+                transfer_id=req.transfer_id, first_token_id=first_token, num_cached_tokens=cached,
+                num_computed_tokens=num_prompt - cached, prefill_s=prefill_s,
+                kv_bytes=outbound.kv_bytes if outbound is not None else 0,
             )
+            completed = PrefillCompleted(prefill_worker_id=self.worker_id, **dict(outcome))
+            await self.bus.emit(req.request_id, completed, self.worker_id)
             span.set_attribute("pdserve.num_cached_tokens", cached)
             if outbound is not None:  # (a local prefill's cache lookup was counted at its reservation)
                 self._count_prefix_cache(num_prompt, cached)
                 self.prefilling.pop(req.request_id, None)
-                kv_bytes = await outbound.complete(seq.num_chunks_sent)
-        return PrefillResult(
-            request_id=req.request_id, kv_bytes=kv_bytes, first_token_logprobs=first_logprobs, **outcome
-        )
+                # The reply's kv_bytes: once every send is delivered.
+                delivered = await outbound.complete(seq.num_chunks_sent)
+                outcome = outcome.model_copy(update={"kv_bytes": delivered})
+        return PrefillResult(request_id=req.request_id, first_token_logprobs=first_logprobs, **dict(outcome))
 
     def _inject_faults(self) -> None:
         """Fault injection (`kv_corrupt_every_n`, tests only): the 1st, (n+1)-th, ... transfer gets one
@@ -300,10 +297,10 @@ class Worker:
     # ------------------------------------------------------------ start decode
 
     async def start(self, req: StartDecode) -> DecodeAdmitted:
-        slot = self.slots.get(req.request_id)
-        if slot is None or slot.transfer_id != req.transfer_id:
+        held = self.reserved.get(req.request_id)
+        if held is None or held.transfer_id != req.transfer_id:
             raise RejectedError(RejectCode.NOT_FOUND, f"no reservation for transfer {req.transfer_id}")
-        seq = slot.seq
+        seq = held.seq
         if len(req.prompt_token_ids) != seq.num_prompt_tokens:
             raise RejectedError(
                 RejectCode.INVALID,
@@ -312,11 +309,11 @@ class Worker:
             )
         if seq.status is SequenceStatus.RESERVED:
             seq.token_ids = list(req.prompt_token_ids)  # the reserved ids may have been a placeholder
-        slot.started = True
+        held.started = True
         kv_bytes, transfer_s, transfer_done_ts = 0, 0.0, time.time()
-        if slot.kv is not None:
+        if held.kv is not None:
             try:
-                stats = await slot.kv.ready()
+                stats = await held.kv.ready()
             except ChecksumMismatchError as e:
                 metrics.CHECKSUM_FAILURES.labels(worker_id=self.worker_id).inc()
                 await self.bus.emit(
@@ -333,14 +330,14 @@ class Worker:
             except TransferTimeout as e:
                 await self._drop(req.request_id)
                 raise RejectedError(RejectCode.TRANSFER_FAILED, f"transfer timed out: {e}") from e
-            kv_bytes, transfer_s, transfer_done_ts = stats.kv_bytes, stats.seconds, slot.kv.ready_ts
+            kv_bytes, transfer_s, transfer_done_ts = stats.kv_bytes, stats.seconds, held.kv.ready_ts
             async with self.compute:  # verified and scattered: now, and only now, the blocks count
                 self.engine.mark_computed(seq, len(seq))
             await self.kv_events.flush()
         elif seq.status is not SequenceStatus.PARKED:
             raise RejectedError(RejectCode.NOT_FOUND, f"{req.request_id} was not prefilled here")
         seq.output_start_index = req.output_start_index
-        if slot.kv is not None:
+        if held.kv is not None:
             seq.set_sampling(req.sampling)
         with tracer.start_as_current_span("decode.admit") as span:
             span.set_attribute("pdserve.request_id", req.request_id)
@@ -360,9 +357,9 @@ class Worker:
         )
 
     async def _drop(self, request_id: str) -> None:
-        slot = self.slots.pop(request_id)
-        if slot is not None:
-            await self._free_slot(slot)
+        held = self.reserved.pop(request_id)
+        if held is not None:
+            await self._free_reserved(held)
 
     # ------------------------------------------------------------ heartbeats and leases
 
@@ -375,7 +372,7 @@ class Worker:
             role=self.role,
             descriptor=self.descriptor,
             num_running=self.loop.num_running,
-            num_waiting=len(self.engine.scheduler.waiting) + self.slots.num_waiting(),
+            num_waiting=len(self.engine.scheduler.waiting) + self.reserved.num_waiting(),
             kv_capacity_tokens=bm.num_blocks * bm.block_size,
             kv_free_tokens=bm.num_free_blocks * bm.block_size,
             ts=time.time(),
@@ -395,7 +392,7 @@ class Worker:
     async def run_heartbeats(self) -> None:
         """Publish a heartbeat (and a KV digest) every interval; free reservations whose lease expired."""
         while True:
-            for request_id in self.slots.expired(time.monotonic()):
+            for request_id in self.reserved.expired(time.monotonic()):
                 log.warning("%s: lease of %s expired unstarted; freeing", self.worker_id, request_id)
                 await self._drop(request_id)
             await self.bus.publish(self.bus.subjects.heartbeat(self.worker_id), self.heartbeat())

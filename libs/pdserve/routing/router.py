@@ -1,4 +1,4 @@
-"""Placement: the router's decision for one request — mode, prefill worker, decode worker — and the
+"""The router: its decision for one request — mode, prefill worker, decode worker (a placement) — and the
 state it decides from (live workers, the KV index, the router's own load bookings).
 
 Disaggregated stack: the decode worker is the one with the fewest booked decode blocks (then fewest
