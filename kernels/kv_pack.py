@@ -1,6 +1,6 @@
 """Pack a run of token rows out of a paged KV layer into one contiguous tensor, and scatter it back.
 
-A KV transfer moves one layer's K and V for a run of tokens (DESIGN §3: "packed contiguous by a kernel");
+A KV transfer moves one layer's K and V for a run of tokens (docs/architecture.md §6: packed contiguous);
 the sender packs the rows from wherever its blocks are, the receiver scatters them into its own blocks.
 """
 
