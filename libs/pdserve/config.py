@@ -172,9 +172,6 @@ class WorkerSettings(CommonSettings, ModelSettings):
         KVTransferMode.LAYERWISE, description="Prefill role: 'layerwise' sends each layer's KV as soon as it "
         "is computed; 'naive' sends all of it after the whole prefill (the baseline of "
         "benchmarks/exposed_transfer.py).")
-    kv_corrupt_every_n: int = Field(
-        0, description="Fault injection (tests only): flip one byte in flight in every n-th KV transfer this "
-        "worker sends (its first chunk); 0 = never.")
     kv_capacity_tokens: int = Field(
         32768, description="KV cache capacity in tokens (all reservations); SmolLM2 fp32 = 45 KiB/token."
     )

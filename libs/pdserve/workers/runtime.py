@@ -5,21 +5,25 @@ from __future__ import annotations
 import asyncio
 import logging
 import os
+from collections.abc import Callable
 
 import torch
 
 from pdserve.bus import Bus
 from pdserve.config import WorkerSettings
 from pdserve.engine.loader import load_model
-from pdserve.messages import Role
+from pdserve.messages import KVTransportKind, Role
 from pdserve.service import run_service
-from pdserve.transfer import make_transport
+from pdserve.transfer import KVTransport, make_transport
 from pdserve.workers.worker import Worker
 
 log = logging.getLogger(__name__)
 
 
-def run_worker(default_role: Role) -> None:
+def run_worker(default_role: Role,
+               make_transport: Callable[[KVTransportKind], KVTransport] = make_transport) -> None:
+    """Run a worker process. `make_transport(kind)` builds its KV transport (a test wraps the real one to
+    inject faults: tests/faults/corrupting.py)."""
     settings = WorkerSettings()
     if "PDS_ROLE" not in os.environ:
         settings.role = default_role

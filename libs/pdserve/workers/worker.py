@@ -94,7 +94,6 @@ class Worker:
             loaded.tokenizer.stop_token_ids,
         )
         self.transport = transport
-        self.transfers_sent = 0  # KV transfers this worker began sending (drives kv_corrupt_every_n)
         # Received KV is scattered into the blocks here, one chunk at a time, off the event loop.
         self.scatter_pool = ThreadPoolExecutor(max_workers=1, thread_name_prefix=f"{self.worker_id}-scatter")
         self.reserved = ReservedKVTable()
@@ -238,7 +237,6 @@ class Worker:
             seq = Sequence(req.request_id, req.prompt_token_ids, req.sampling, cache_salt=req.cache_salt)
             seq.stop_after_prefill = seq.free_after_prefill = True
             seq.num_sent_tokens = req.decode_num_cached_tokens
-            self._inject_faults()
             outbound = OutboundKV(self.transport, req, self.loaded.config.num_layers,
                                   naive=self.settings.kv_transfer_mode is KVTransferMode.NAIVE)
             seq.kv_sink = outbound.on_layer
@@ -285,14 +283,6 @@ class Worker:
                 delivered = await outbound.complete(seq.num_chunks_sent)
                 outcome = outcome.model_copy(update={"kv_bytes": delivered})
         return PrefillResult(request_id=req.request_id, first_token_logprobs=first_logprobs, **dict(outcome))
-
-    def _inject_faults(self) -> None:
-        """Fault injection (`kv_corrupt_every_n`, tests only): the 1st, (n+1)-th, ... transfer gets one
-        flipped byte, so a retry of a corrupted transfer (the next one) goes through clean when n >= 2."""
-        n = self.settings.kv_corrupt_every_n
-        self.transfers_sent += 1
-        if n > 0 and self.transport is not None and (self.transfers_sent - 1) % n == 0:
-            self.transport.corrupt_next += 1
 
     # ------------------------------------------------------------ start decode
 
