@@ -40,7 +40,7 @@ def run_worker(default_role: Role,
             await transport.start()
         worker = Worker(bus, settings, loaded, transport)
         await worker.serve()
-        tasks = [bus.spawn(worker.run_heartbeats()), bus.spawn(worker.loop.run())]
+        tasks = [bus.spawn(worker.heartbeats.run()), bus.spawn(worker.core.loop.run())]
         log.info("%s serving %s as %s", settings.worker_id, loaded.name, settings.role)
 
         async def cleanup() -> None:
