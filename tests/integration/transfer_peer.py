@@ -1,5 +1,4 @@
-"""A KV sender in its own OS process, driven over a multiprocessing pipe (used by test_transport.py and
-benchmarks/transfer.py).
+"""A KV sender in its own OS process, driven over a multiprocessing pipe (used by test_transport.py).
 
 Commands (tuples): ("send", SendPlan) → replies ("sent", payload bytes); ("stop",) → exits. Errors reply
 ("error", repr). The KV it sends is `layer_kv(seed, ...)`, so the receiving test can rebuild it exactly.
