@@ -108,7 +108,8 @@ def spans() -> InMemorySpanExporter:
 @pytest.fixture(scope="module")
 def gw_settings(settings: CommonSettings) -> GatewaySettings:
     return GatewaySettings(**settings.model_dump(), model="tiny", served_model_name=MODEL, max_model_len=256,
-                           request_timeout_s=20.0, token_gap_timeout_s=0.5)
+                           request_timeout_s=20.0, token_gap_timeout_s=0.5,
+                           cached_tokens_wait_s=0.05, read_your_writes_wait_s=5.0)
 
 
 @pytest.fixture(scope="module")

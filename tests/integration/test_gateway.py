@@ -40,7 +40,8 @@ async def test_completion_returns_the_decoded_tokens_with_usage_and_request_id(c
     assert body["choices"] == [{"index": 0, "text": ANSWER, "logprobs": None, "finish_reason": "length"}]
     prompt_ids = tokenizer.encode("The capital of France is")
     assert body["usage"] == {"prompt_tokens": len(prompt_ids), "completion_tokens": len(ids),
-                             "total_tokens": len(prompt_ids) + len(ids)}
+                             "total_tokens": len(prompt_ids) + len(ids),
+                             "prompt_tokens_details": {"cached_tokens": 0}}
     submit = next(s for s in coord.submits if s.request_id == rid)
     assert list(submit.prompt_token_ids) == prompt_ids
     sampling = submit.sampling
