@@ -62,6 +62,11 @@ class GatewaySettings(CommonSettings, ModelSettings):
         5.0, description="GET /v1/requests/{id} of a request this gateway answered waits up to this long "
         "for its terminal event in Postgres (then answers from JetStream).")
     max_body_bytes: int = Field(4 * 2**20, description="Largest request body accepted; larger: 413.")
+    api_keys: str = Field(
+        "auto", description="API keys (pdserve.gateway.keys): 'required', 'off', or 'auto' = required "
+        "unless `host` is loopback.")
+    api_key_cache_s: float = Field(
+        5.0, description="How long a key's check is cached, seconds (how late a revocation bites).")
 
 
 class RouterSettings(CommonSettings):

@@ -3,8 +3,10 @@
 Routes: POST /v1/completions, POST /v1/chat/completions (stream or not), GET /v1/models[/{model}],
 GET /v1/requests/{request_id} (a request's lifecycle from the event store), GET
 /v1/requests/{request_id}/stream (resume an SSE stream after `Last-Event-ID`), GET /health, GET /metrics.
-Build it with `create_app(bus, tokenizer, settings, engine)`; the service (`pdserve.services.gateway`)
-serves it with uvicorn.
+Every /v1 route takes OpenAI's `Authorization: Bearer <key>` when keys are required
+(`pdserve.gateway.keys`); /health, /metrics and /openapi.json are open. Build it with
+`create_app(bus, tokenizer, settings, engine)`; the service (`pdserve.services.gateway`) serves it with
+uvicorn.
 """
 
 from __future__ import annotations
@@ -13,7 +15,7 @@ import time
 from dataclasses import dataclass, field
 from typing import Any
 
-from fastapi import FastAPI, Request
+from fastapi import Depends, FastAPI, Request
 from fastapi.responses import Response
 from prometheus_client import CONTENT_TYPE_LATEST, generate_latest
 from sqlalchemy.ext.asyncio import AsyncEngine
@@ -22,6 +24,7 @@ from pdserve.bus import Bus
 from pdserve.config import GatewaySettings
 from pdserve.gateway.capacity import WorkerCapacity
 from pdserve.gateway.errors import APIError, install_error_handlers, model_not_found
+from pdserve.gateway.keys import KeyCheck, keys_required
 from pdserve.gateway.lifecycle_read import Answered, read_lifecycle
 from pdserve.gateway.openapi import document_bodies
 from pdserve.gateway.prompt import Tokenizer
@@ -48,33 +51,42 @@ def create_app(bus: Bus, tokenizer: Tokenizer, settings: GatewaySettings,
     app = FastAPI(title="pdserve gateway", description="OpenAI-compatible API of pdserve.")
     app.state.gateway = GatewayState(bus, tokenizer, settings, engine)
     install_error_handlers(app)
+    required = keys_required(settings.api_keys, settings.host)
+    keys = KeyCheck(engine, settings.api_key_cache_s) if required else None
 
-    @app.post(COMPLETIONS.path, openapi_extra=document_bodies(COMPLETIONS.request_type))
+    async def authorized(request: Request) -> None:
+        """Every /v1 route: 401 unless `Authorization: Bearer <live key>` when keys are required."""
+        if keys is not None:
+            await keys.check(request.headers.get("authorization"))
+
+    v1 = [Depends(authorized)]
+
+    @app.post(COMPLETIONS.path, openapi_extra=document_bodies(COMPLETIONS.request_type), dependencies=v1)
     async def completions(request: Request) -> Response:
         return await generate(request, COMPLETIONS)
 
-    @app.post(CHAT.path, openapi_extra=document_bodies(CHAT.request_type))
+    @app.post(CHAT.path, openapi_extra=document_bodies(CHAT.request_type), dependencies=v1)
     async def chat_completions(request: Request) -> Response:
         return await generate(request, CHAT)
 
-    @app.get("/v1/models")
+    @app.get("/v1/models", dependencies=v1)
     async def list_models() -> dict[str, Any]:
         return {"object": "list", "data": [await model_card(app.state.gateway)]}
 
-    @app.get("/v1/models/{model:path}")
+    @app.get("/v1/models/{model:path}", dependencies=v1)
     async def retrieve_model(model: str) -> dict[str, Any]:
         state: GatewayState = app.state.gateway
         if model != state.settings.served_model_name:
             raise model_not_found(model)
         return await model_card(state)
 
-    @app.get("/v1/requests/{request_id}")
+    @app.get("/v1/requests/{request_id}", dependencies=v1)
     async def request_lifecycle(request_id: str) -> dict[str, Any]:
         state: GatewayState = app.state.gateway
         return await read_lifecycle(state.bus, state.engine, state.answered, request_id,
                                     state.settings.read_your_writes_wait_s)
 
-    @app.get("/v1/requests/{request_id}/stream")
+    @app.get("/v1/requests/{request_id}/stream", dependencies=v1)
     async def resume_stream(request_id: str, request: Request) -> Response:
         return await resume(request, request_id)
 
