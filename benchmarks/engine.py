@@ -31,6 +31,7 @@ from pathlib import Path
 import torch
 
 from pdserve.config import ModelSettings
+from pdserve.engine.host_memory import retain_freed_memory
 from pdserve.engine.linear import Linear
 from pdserve.engine.llm_engine import EngineConfig, LLMEngine
 from pdserve.engine.loader import load_model
@@ -123,6 +124,7 @@ def main() -> None:
     ap.add_argument("--reps", type=int, default=2)
     args = ap.parse_args()
     torch.set_num_threads(1)
+    retain_freed_memory()  # as a worker process does (workers/runtime.py)
     import transformers
 
     loaded = load_model("smollm2", ModelSettings().weights_cache_dir)
