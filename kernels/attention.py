@@ -48,7 +48,7 @@ def _prefill_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, past: 
     num_tokens, num_keys = q.shape[0], k.shape[0]
     mask = None
     if past:  # query i sees keys 0..past + i; SDPA's own `is_causal` aligns the diagonal top-left instead
-        mask = torch.ones(num_tokens, num_keys, dtype=torch.bool).tril_(past)
+        mask = torch.ones(num_tokens, num_keys, dtype=torch.bool, device=q.device).tril_(past)
     out = F.scaled_dot_product_attention(
         q.transpose(0, 1).unsqueeze(0),
         k.transpose(0, 1).unsqueeze(0),

@@ -9,13 +9,16 @@ from __future__ import annotations
 import torch
 
 
-def token_slots(block_table: list[int], start: int, end: int, block_size: int) -> torch.Tensor:
-    """Slots (block_id * block_size + offset) of token positions start..end-1: [end - start] int64.
+def token_slots(
+    block_table: list[int], start: int, end: int, block_size: int, device: torch.device | None = None
+) -> torch.Tensor:
+    """Slots (block_id * block_size + offset) of token positions start..end-1: [end - start] int64, on
+    `device` (default CPU: where the KV pool it indexes lives).
 
     Raises IndexError when the block table is too short for `end` tokens.
     """
-    positions = torch.arange(start, end, dtype=torch.int64)
-    blocks = torch.tensor(block_table, dtype=torch.int64)[positions // block_size]
+    positions = torch.arange(start, end, dtype=torch.int64, device=device)
+    blocks = torch.tensor(block_table, dtype=torch.int64, device=device)[positions // block_size]
     return blocks * block_size + positions % block_size
 
 

@@ -43,21 +43,25 @@ class PagedAttentionMetadata(NamedTuple):
 
 
 def attention_metadata(
-    block_tables: torch.Tensor, context_lens: list[int], query_lens: list[int], block_size: int
+    block_tables: torch.Tensor, context_lens: list[int], query_lens: list[int], block_size: int,
+    dtype: torch.dtype = torch.float32,
 ) -> PagedAttentionMetadata:
-    """The metadata of one forward (see `PagedAttentionMetadata`). Raises ValueError when a query length is
-    not in 1..its context length."""
+    """The metadata of one forward (see `PagedAttentionMetadata`), on `block_tables`' device; the mask in
+    `dtype` (the attention scores'). Raises ValueError when a query length is not in 1..its context
+    length."""
     if len(context_lens) != len(query_lens):
         raise ValueError(f"{len(context_lens)} context lengths for {len(query_lens)} query lengths")
     if any(n > c or n < 1 for n, c in zip(query_lens, context_lens, strict=True)):
         raise ValueError(f"query_lens {query_lens} exceed context_lens {context_lens}")
     decode = [i for i, n in enumerate(query_lens) if n == 1]
-    rows = torch.tensor(query_lens, dtype=torch.int64).cumsum(0) - 1  # each sequence's last row
-    decode_lens = torch.tensor([context_lens[i] for i in decode], dtype=torch.int64)
+    device = block_tables.device
+    rows = torch.tensor(query_lens, dtype=torch.int64, device=device).cumsum(0) - 1  # each one's last row
+    decode_lens = torch.tensor([context_lens[i] for i in decode], dtype=torch.int64, device=device)
     max_blocks = -(-max((context_lens[i] for i in decode), default=0) // block_size)
     tables = block_tables[decode] if len(decode) < len(query_lens) else block_tables
-    mask = torch.zeros(len(decode), max_blocks * block_size)
-    mask.masked_fill_(torch.arange(max_blocks * block_size) >= decode_lens[:, None], -torch.inf)
+    num_keys = max_blocks * block_size
+    mask = torch.zeros(len(decode), num_keys, dtype=dtype, device=device)
+    mask.masked_fill_(torch.arange(num_keys, device=device) >= decode_lens[:, None], -torch.inf)
     return PagedAttentionMetadata(
         block_tables=block_tables,
         context_lens=context_lens,

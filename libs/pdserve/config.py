@@ -86,6 +86,17 @@ class GatewaySettings(CommonSettings, ModelSettings):
     token_gap_timeout_s: float = Field(
         5.0, description="How long a hole in a request's token stream may stay open before it fails."
     )
+    cached_tokens_wait_s: float = Field(
+        1.0, description="Longest wait, at a request's end, for its PrefillCompleted (usage.cached_tokens).")
+    read_your_writes_wait_s: float = Field(
+        5.0, description="GET /v1/requests/{id} of a request this gateway answered waits up to this long "
+        "for its terminal event in Postgres (then answers from JetStream).")
+    max_body_bytes: int = Field(4 * 2**20, description="Largest request body accepted; larger: 413.")
+    api_keys: str = Field(
+        "auto", description="API keys (pdserve.gateway.keys): 'required', 'off', or 'auto' = required "
+        "unless `host` is loopback.")
+    api_key_cache_s: float = Field(
+        5.0, description="How long a key's check is cached, seconds (how late a revocation bites).")
 
 
 class RouterSettings(CommonSettings):

@@ -114,7 +114,9 @@ def stream_one(
         "stream": True,
     }
     try:
-        with httpx.stream("POST", f"{url}/v1/completions", json=body, timeout=120) as resp:
+        # SSE ids (the resume position) are opted into: OpenAI's framing has none
+        with httpx.stream("POST", f"{url}/v1/completions", json=body, timeout=120,
+                          headers={"X-PDS-Event-Ids": "true"}) as resp:
             result.status = resp.status_code
             result.request_id = resp.headers.get("x-request-id", "")
             if resp.status_code != 200:

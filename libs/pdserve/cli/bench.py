@@ -1,6 +1,6 @@
 """`pdserve bench serve | compare`: the load generator and the colocated-vs-disaggregated sweep.
 
-    pdserve bench serve --base-url http://127.0.0.1:8000 --dataset random --input-len 256 --output-len 32 \
+    pdserve bench serve --dataset random --input-len 256 --output-len 32 \
         --num-prompts 40 --request-rate 2 --burstiness 1 --goodput ttft:2000 tpot:200 --out docs/benchmarks
     pdserve bench compare --model smollm2 --ratios 10:1 1:1 1:20 --rates 0.25 0.5 1
 
@@ -17,20 +17,37 @@ from pathlib import Path
 from pdserve.bench.datasets import DATASETS
 from pdserve.bench.metrics import parse_goodput
 from pdserve.cli.output import make_console
-from pdserve.stack_state import read_state
+from pdserve.stack_state import StackState, read_state
 
 console = make_console(soft_wrap=True)
 
 
-def _database_url(args: argparse.Namespace) -> str | None:
-    """--database-url, else the event store of the `pdserve up` stack that serves --base-url, else None."""
+DEFAULT_BASE_URL = "http://127.0.0.1:8000"
+
+
+def _stack(args: argparse.Namespace) -> StackState | None:
+    return read_state(Path(args.var_dir or os.environ.get("PDS_VAR_DIR") or "var").resolve())
+
+
+def base_url(args: argparse.Namespace) -> str:
+    """--base-url, else the gateway of the running `pdserve up` stack (var/run/stack.json, whatever port
+    it was started on), else http://127.0.0.1:8000."""
+    if args.base_url:
+        return args.base_url.rstrip("/")
+    state = _stack(args)
+    if state is not None and state.gateway_url:
+        return state.gateway_url.rstrip("/")
+    return DEFAULT_BASE_URL
+
+
+def _database_url(args: argparse.Namespace, url: str) -> str | None:
+    """--database-url, else the event store of the `pdserve up` stack that serves `url`, else None."""
     if args.database_url:
         return args.database_url
     if args.no_breakdown:
         return None
-    var_dir = Path(args.var_dir or os.environ.get("PDS_VAR_DIR") or "var").resolve()
-    state = read_state(var_dir)
-    if state is not None and state.gateway_url.rstrip("/") == args.base_url.rstrip("/"):
+    state = _stack(args)
+    if state is not None and state.gateway_url.rstrip("/") == url:
         return state.database_url or None
     return None
 
@@ -39,14 +56,15 @@ def serve(args: argparse.Namespace) -> int:
     from pdserve.bench.report import markdown, write_report
     from pdserve.bench.serve import ServeConfig, run_serve
 
+    url = base_url(args)
     cfg = ServeConfig(
-        base_url=args.base_url.rstrip("/"), dataset=args.dataset, num_prompts=args.num_prompts,
+        base_url=url, dataset=args.dataset, num_prompts=args.num_prompts,
         input_len=args.input_len, output_len=args.output_len, range_ratio=args.range_ratio,
         prefix_len=args.prefix_len, suffix_len=args.suffix_len, num_prefixes=args.num_prefixes,
         num_turns=args.num_turns, request_rate=args.request_rate, burstiness=args.burstiness,
         max_concurrency=args.max_concurrency, seed=args.seed, percentiles=args.percentiles,
         goodput_slo_ms=parse_goodput(args.goodput or []), ignore_eos=not args.no_ignore_eos,
-        model=args.model, database_url=_database_url(args),
+        model=args.model, database_url=_database_url(args, url),
     )
     report = asyncio.run(run_serve(cfg, progress=not args.disable_tqdm))
     console.print(markdown(report), markup=False)
@@ -80,7 +98,8 @@ def add_parsers(sub: argparse._SubParsersAction) -> None:
         dest="bench_command", required=True)
 
     p = bench.add_parser("serve", help="drive a running gateway with vllm bench serve's workload and metrics")
-    p.add_argument("--base-url", default="http://127.0.0.1:8000", help="gateway (default %(default)s)")
+    p.add_argument("--base-url", help=f"gateway (default: the running `pdserve up` stack's, else "
+                   f"{DEFAULT_BASE_URL})")
     p.add_argument("--model", help="model name to send (default: the first of GET /v1/models)")
     p.add_argument("--dataset", "--dataset-name", choices=DATASETS, default="random")
     p.add_argument("--num-prompts", type=int, default=40,

@@ -31,7 +31,8 @@ from pdserve.store.rows import RecordedEvent
 
 console = make_console()
 
-# The payload fields worth a column's glance, per event type; unknown types show their scalar fields.
+# The payload fields worth a column's glance, per event type (every type of pdserve.events.PAYLOAD_TYPES,
+# tests/unit/test_replay_details.py checks); unknown types show their scalar fields.
 KEY_FIELDS: dict[str, tuple[str, ...]] = {
     "RequestReceived": ("model", "num_prompt_tokens", "max_tokens", "stream"),
     "RequestRouted": ("mode", "prefill_worker_id", "decode_worker_id", "predicted_cached_tokens",
@@ -44,6 +45,8 @@ KEY_FIELDS: dict[str, tuple[str, ...]] = {
     "ChecksumMismatch": ("layer", "expected", "actual"),
     "DecodeStarted": ("decode_worker_id", "num_running"),
     "TokensCommitted": ("start_index",),
+    "RequestMigrated": ("from_worker_id", "phase", "reason", "num_committed_tokens", "attempt"),
+    "RequestRecovered": ("state", "num_committed_tokens", "action"),
     "RequestCompleted": ("finish_reason", "prompt_tokens", "completion_tokens", "e2e_s"),
     "RequestFailed": ("phase", "reason"),
     "RequestAborted": ("reason",),
@@ -51,6 +54,7 @@ KEY_FIELDS: dict[str, tuple[str, ...]] = {
 _AGE = re.compile(r"^(\d+(?:\.\d+)?)([smhd])$")
 _AGE_UNIT_S = {"s": 1, "m": 60, "h": 3600, "d": 86400}
 _TERMINAL_STYLE = {"RequestCompleted": "green", "RequestFailed": "bold red", "RequestAborted": "yellow",
+                   "RequestMigrated": "magenta", "RequestRecovered": "magenta",
                    "ChecksumMismatch": "red", "AdmissionDeferred": "yellow"}
 
 

@@ -194,7 +194,8 @@ class LLMEngine:
                 continue
             start, end = seq.num_sent_tokens, min(seq.num_computed_tokens + n, seq.num_prompt_tokens)
             if end > start:
-                sends.append((seq, start, token_slots(seq.block_table, start, end, self.config.block_size)))
+                slots = token_slots(seq.block_table, start, end, self.config.block_size, self.model.device)
+                sends.append((seq, start, slots))
         return sends
 
     def _append(self, seq: Sequence, token: int) -> FinishReason | None:

@@ -13,6 +13,7 @@ from collections.abc import Callable
 import torch
 import torch.nn.functional as F
 
+from pdserve.engine.device import CPU
 from pdserve.engine.forward_batch import ForwardBatch
 from pdserve.engine.linear import Linear, fused
 from pdserve.engine.model_config import LlamaConfig
@@ -28,30 +29,45 @@ LayerHook = Callable[[int, torch.Tensor], None]
 class _Layer:
     """One decoder layer's weights: Q, K and V projections fused into one GEMM, gate and up into another."""
 
-    def __init__(self, weights: dict[str, torch.Tensor], index: int) -> None:
+    def __init__(self, weight: Callable[[str], torch.Tensor], index: int) -> None:
         p = f"model.layers.{index}."
-        self.input_norm = weights[p + "input_layernorm.weight"]
-        self.qkv = fused(*(weights[p + f"self_attn.{n}_proj.weight"] for n in "qkv"))
-        self.o = Linear(weights[p + "self_attn.o_proj.weight"])
-        self.post_norm = weights[p + "post_attention_layernorm.weight"]
-        self.gate_up = fused(weights[p + "mlp.gate_proj.weight"], weights[p + "mlp.up_proj.weight"])
-        self.down = Linear(weights[p + "mlp.down_proj.weight"])
+        self.input_norm = weight(p + "input_layernorm.weight")
+        self.qkv = fused(*(weight(p + f"self_attn.{n}_proj.weight") for n in "qkv"))
+        self.o = Linear(weight(p + "self_attn.o_proj.weight"))
+        self.post_norm = weight(p + "post_attention_layernorm.weight")
+        self.gate_up = fused(weight(p + "mlp.gate_proj.weight"), weight(p + "mlp.up_proj.weight"))
+        self.down = Linear(weight(p + "mlp.down_proj.weight"))
 
 
 class LlamaModel:
-    """A Llama decoder over a paged KV cache.
+    """A Llama decoder over a paged KV cache, on `device` in `dtype` (fp32 on CPU; see `device.py`).
 
-    `weights` are fp32 tensors by HF name (see `loader`); the projections are repacked (`linear`), the
-    embedding and norms used as given. Raises KeyError at construction when a weight is missing.
+    `weights` are tensors by HF name (see `loader`), copied to `device` and `dtype` (used as given when they
+    already are); the projections are repacked (`linear`). Every tensor a forward allocates lives on
+    `device` too. Raises KeyError at construction when a weight is missing.
     """
 
-    def __init__(self, config: LlamaConfig, weights: dict[str, torch.Tensor]) -> None:
+    def __init__(
+        self,
+        config: LlamaConfig,
+        weights: dict[str, torch.Tensor],
+        device: torch.device = CPU,
+        dtype: torch.dtype = torch.float32,
+    ) -> None:
         self.config = config
-        self.embed = weights["model.embed_tokens.weight"]
-        self.layers = [_Layer(weights, i) for i in range(config.num_layers)]
-        self.final_norm = weights["model.norm.weight"]
-        self.lm_head = Linear(self.embed if config.tie_word_embeddings else weights["lm_head.weight"])
-        self.cos, self.sin = rope_cos_sin(config.max_position_embeddings, config.head_dim, config.rope_theta)
+        self.device = torch.device(device)
+        self.dtype = dtype
+
+        def weight(name: str) -> torch.Tensor:
+            return weights[name].to(device=self.device, dtype=dtype)
+
+        self.embed = weight("model.embed_tokens.weight")
+        self.layers = [_Layer(weight, i) for i in range(config.num_layers)]
+        self.final_norm = weight("model.norm.weight")
+        self.lm_head = Linear(self.embed if config.tie_word_embeddings else weight("lm_head.weight"))
+        # computed in fp32 on the CPU (as HF's rotary embedding), then moved: the same tables everywhere
+        cos, sin = rope_cos_sin(config.max_position_embeddings, config.head_dim, config.rope_theta)
+        self.cos, self.sin = cos.to(self.device, dtype), sin.to(self.device, dtype)
 
     @torch.inference_mode()
     def forward(
@@ -63,11 +79,8 @@ class LlamaModel:
 
         `layer_hook(l, kv_cache[l])` runs as soon as layer l's new KV is stored, before its attention, so a
         prefill worker can send layer l while layers l+1.. compute.
-        Raises ValueError when a position is past `max_position_embeddings`.
         """
         cfg = self.config
-        if int(batch.positions.max()) >= cfg.max_position_embeddings:
-            raise ValueError(f"position {int(batch.positions.max())} past max_position_embeddings")
         num_tokens = batch.input_ids.shape[0]
         num_qk = cfg.num_heads + cfg.num_kv_heads
         cos, sin = self.cos[batch.positions], self.sin[batch.positions]

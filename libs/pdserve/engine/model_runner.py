@@ -11,11 +11,12 @@ from pdserve.kernels.paged_attention import attention_metadata
 
 
 class ModelRunner:
-    """Owns the KV pool and runs `LlamaModel` over scheduled sequences.
+    """Owns the KV pool and runs `LlamaModel` over scheduled sequences, on the model's device.
 
-    `kv_cache[l]`: [num_blocks, block_size, 2, num_kv_heads, head_dim] fp32 (K at index 0 of dim 2, after
-    rope; V at 1), allocated once (zeros): num_blocks * block_size * `LlamaConfig.kv_bytes_per_token` bytes.
-    A block of one layer is one contiguous region, token-major: what a transfer packs.
+    `kv_cache[l]`: [num_blocks, block_size, 2, num_kv_heads, head_dim] in the model's dtype (K at index 0
+    of dim 2, after rope; V at 1), allocated once (zeros): num_blocks * block_size *
+    `LlamaConfig.kv_bytes_per_token` bytes in fp32. A block of one layer is one contiguous region,
+    token-major: what a transfer packs.
     """
 
     def __init__(self, model: LlamaModel, num_blocks: int, block_size: int) -> None:
@@ -23,16 +24,18 @@ class ModelRunner:
         self.model = model
         self.block_size = block_size
         self.kv_cache = [
-            torch.zeros(num_blocks, block_size, 2, cfg.num_kv_heads, cfg.head_dim)
+            torch.zeros(num_blocks, block_size, 2, cfg.num_kv_heads, cfg.head_dim, dtype=model.dtype,
+                        device=model.device)
             for _ in range(cfg.num_layers)
         ]
 
     def prepare(self, batch: list[ScheduledSeq]) -> ForwardBatch:
         """The forward inputs of `batch`: sequence i's new tokens are `token_ids[num_computed_tokens :
         num_computed_tokens + num_new_tokens]`, in slots of its block table (which must cover them).
-        Raises ValueError for an empty batch."""
+        Raises ValueError for an empty batch or a position past the model's rope table."""
         if not batch:
             raise ValueError("a forward needs at least one scheduled sequence")
+        max_positions = self.model.config.max_position_embeddings
         bs = self.block_size
         input_ids: list[int] = []
         positions: list[int] = []
@@ -47,16 +50,22 @@ class ModelRunner:
             slots += (table[p // bs] * bs + p % bs for p in range(start, end))
             context_lens.append(end)
             query_lens.append(n)
+        if max(context_lens) > max_positions:
+            raise ValueError(f"position {max(context_lens) - 1} past max_position_embeddings {max_positions}")
         max_blocks = max(len(seq.block_table) for seq, _ in batch)
-        block_tables = torch.tensor([seq.block_table + [0] * (max_blocks - len(seq.block_table))
-                                     for seq, _ in batch], dtype=torch.int64)
-        meta = attention_metadata(block_tables, context_lens, query_lens, bs)
+        device = self.model.device
+
+        def tensor(values: list) -> torch.Tensor:
+            return torch.tensor(values, dtype=torch.int64, device=device)
+
+        block_tables = tensor([s.block_table + [0] * (max_blocks - len(s.block_table)) for s, _ in batch])
+        meta = attention_metadata(block_tables, context_lens, query_lens, bs, self.model.dtype)
         return ForwardBatch(
-            input_ids=torch.tensor(input_ids, dtype=torch.int64),
-            positions=torch.tensor(positions, dtype=torch.int64),
-            slot_mapping=torch.tensor(slots, dtype=torch.int64),
+            input_ids=tensor(input_ids),
+            positions=tensor(positions),
+            slot_mapping=tensor(slots),
             attention=meta,
-            logits_indices=torch.tensor(query_lens, dtype=torch.int64).cumsum(0) - 1,
+            logits_indices=tensor(query_lens).cumsum(0) - 1,
         )
 
     def execute(self, batch: list[ScheduledSeq], layer_hook: LayerHook | None = None) -> torch.Tensor:

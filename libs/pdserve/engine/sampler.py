@@ -65,11 +65,12 @@ class Sampler:
             self._generator.seed()
 
     def sample(self, logits: torch.Tensor) -> int:
-        """The next token id, given the last position's logits [vocab_size] (any float dtype, CPU)."""
+        """The next token id, given the last position's logits [vocab_size] (any float dtype, any device)."""
         p = self.params
         if p.temperature == 0:
             return int(torch.argmax(logits))
-        probs = sampling_probs(logits, p.temperature, p.top_k, p.top_p)
+        # drawn on the CPU, where the request's seeded generator lives, whatever device the logits are on
+        probs = sampling_probs(logits.to("cpu", torch.float32), p.temperature, p.top_k, p.top_p)
         return int(torch.multinomial(probs, 1, generator=self._generator))
 
     def logprobs(self, logits: torch.Tensor, token_id: int) -> TokenLogprobs | None:

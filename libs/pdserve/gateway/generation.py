@@ -1,15 +1,16 @@
 """One request's generation as the gateway sees it: submit on the bus, then text deltas until the end.
 
 docs/architecture.md §3 step 1: subscribe to `pds.tokens.<request_id>` before submitting (no chunk can be
-missed), emit
-`RequestReceived`, send `Submit` to the coordinator, then turn `TokenChunk`s into text: reorder and dedupe
-(`ChunkReassembler`), detokenize incrementally, cut at stop strings. Whenever the gateway ends a request the
-workers still run (stop string, client gone, timeout, a hole in the stream), it sends `Abort` so they free it.
+missed), emit `RequestReceived`, send `Submit` to the coordinator, then turn `TokenChunk`s into text:
+reorder and dedupe (`ChunkReassembler`), detokenize incrementally, cut at stop strings. Whenever the
+gateway ends a request the workers still run (stop string, client gone, timeout, a hole in the stream), it
+sends `Abort` so they free it.
 """
 
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import logging
 import time
 from collections.abc import AsyncIterator
@@ -19,9 +20,10 @@ from opentelemetry import context as otel_context
 
 from pdserve.bus import Bus, BusTimeout, RejectedError
 from pdserve.engine.detokenizer import IncrementalDetokenizer
-from pdserve.events import RequestFailed, RequestReceived
+from pdserve.events import Event, PrefillCompleted, RequestFailed, RequestReceived
 from pdserve.gateway.errors import APIError, from_rejection
 from pdserve.gateway.prompt import PreparedRequest, Tokenizer
+from pdserve.gateway.responses import Usage
 from pdserve.gateway.stop_strings import StopStringMatcher
 from pdserve.gateway.token_stream import ChunkReassembler
 from pdserve.messages import Abort, Accepted, Ack, FinishReason, Submit, TokenChunk, TokenLogprobs
@@ -63,7 +65,8 @@ class Generation:
 
     def __init__(self, bus: Bus, tokenizer: Tokenizer, *, request_id: str, model: str, endpoint: str,
                  prepared: PreparedRequest, stream: bool, received_ts: float, timeout_s: float,
-                 gap_timeout_s: float, cache_salt: str | None = None, include_usage: bool = False) -> None:
+                 gap_timeout_s: float, cache_salt: str | None = None, include_usage: bool = False,
+                 cached_tokens_wait_s: float = 1.0) -> None:
         self.bus = bus
         self.request_id = request_id
         self.model = model
@@ -84,6 +87,10 @@ class Generation:
         self._trace_context = otel_context.get_current()
         self.ended = False  # the workers are done with it: finished, failed, or aborted by us
         self.resume_from = 0  # output tokens whose text the client already has (a resumed stream)
+        self.cached_tokens_wait_s = cached_tokens_wait_s
+        self._prefilled = asyncio.Event()  # the first PrefillCompleted of the request was seen
+        self.num_cached_tokens = 0
+        self._event_sub = None
 
     @property
     def num_prompt_tokens(self) -> int:
@@ -93,7 +100,12 @@ class Generation:
         """Call with the request's span current: its context rides on the Submit and later Aborts."""
         self._trace_context = otel_context.get_current()
         subjects = self.bus.subjects
-        self._sub = await self.bus.subscribe(subjects.tokens(self.request_id), TokenChunk, self._queue.put)
+        # Not flushed one by one: RequestReceived, published next on this connection, is acknowledged only
+        # after the server has processed both subscriptions, and nothing reaches them before the Submit.
+        self._sub = await self.bus.subscribe(subjects.tokens(self.request_id), TokenChunk, self._queue.put,
+                                             flush=False)
+        self._event_sub = await self.bus.subscribe(subjects.event(self.request_id, PrefillCompleted.type),
+                                                   Event, self._note_event, flush=False)
         # Stored before the Submit: the request's first event in the stream, and what recovery resumes from.
         await self.bus.emit_stored(self.request_id, RequestReceived(
             model=self.model, endpoint=self.endpoint, num_prompt_tokens=self.num_prompt_tokens,
@@ -117,6 +129,10 @@ class Generation:
                            code="coordinator_unavailable", headers={"Retry-After": "1"}) from e
 
     async def deltas(self) -> AsyncIterator[TextDelta]:
+        """One `TextDelta` per output token (its text may be empty: held back by a stop string's prefix or
+        an unfinished UTF-8 sequence), however the tokens were chunked on the bus — a live stream's
+        one-token chunks and a resumed stream's 16-token journal commits give the same deltas, so an SSE
+        id (`num_output_tokens`) means the same in both. The last delta carries `finish_reason`."""
         reassembler = ChunkReassembler()
         detokenizer = IncrementalDetokenizer(self._tokenizer, list(self.prepared.prompt_token_ids))
         stops = StopStringMatcher(self.prepared.stop)
@@ -127,9 +143,6 @@ class Generation:
             ready = reassembler.push(chunk)
             if ready.token_ids and self.first_token_monotonic is None:
                 self.first_token_monotonic = time.monotonic()
-            text = []
-            logprobs: list[TokenLogprobs] = []
-            offsets: list[int] = []
             # one token at a time, so the usage counts stop at a stop string
             for i, token_id in enumerate(ready.token_ids):
                 self.num_output_tokens += 1
@@ -137,32 +150,44 @@ class Generation:
                 offset, text_len = text_len, text_len + len(match.text)
                 if self.num_output_tokens <= self.resume_from:
                     continue  # a resumed stream: the client has this text already
-                text.append(match.text)
-                if i < len(ready.logprobs):
-                    logprobs.append(ready.logprobs[i])
-                    offsets.append(offset)
+                logprobs = (ready.logprobs[i],) if i < len(ready.logprobs) else ()
+                offsets = (offset,) if logprobs else ()
                 if match.stopped:
                     self.finish_reason = FinishReason.STOP
                     self.abort(STOP_STRING, FinishReason.STOP)
-                    yield TextDelta("".join(text), self.num_output_tokens, FinishReason.STOP, tuple(logprobs),
-                                    tuple(offsets))
+                    yield TextDelta(match.text, self.num_output_tokens, FinishReason.STOP, logprobs, offsets)
                     return
+                yield TextDelta(match.text, self.num_output_tokens, None, logprobs, offsets)
             if ready.error is not None:
                 self.ended = True
                 raise APIError(500, f"The request failed: {ready.error}", code="generation_failed")
             if ready.finish_reason is not None:
                 self.ended = True
                 self.finish_reason = ready.finish_reason
-                text.append(stops.flush())
-                yield TextDelta("".join(text), self.num_output_tokens, ready.finish_reason, tuple(logprobs),
-                                tuple(offsets))
+                yield TextDelta(stops.flush(), self.num_output_tokens, ready.finish_reason)
                 return
-            if ready.token_ids:
-                yield TextDelta("".join(text), self.num_output_tokens, None, tuple(logprobs), tuple(offsets))
             if not reassembler.has_gap:
                 gap_deadline = None
             elif gap_deadline is None:
                 gap_deadline = time.monotonic() + self.gap_timeout_s
+
+    async def _note_event(self, event: Event) -> None:
+        """Keep what the request's lifecycle events tell the answer: the prompt tokens the first prefill
+        found in a prefix cache (`PrefillCompleted.num_cached_tokens`; a migration's re-prefill, of prompt
+        + committed output, comes later and is not the prompt's)."""
+        if event.type == PrefillCompleted.type and not self._prefilled.is_set():
+            self.num_cached_tokens = int(event.payload.get("num_cached_tokens") or 0)
+            self._prefilled.set()
+
+    async def usage(self) -> Usage:
+        """OpenAI's usage of the request so far, with `prompt_tokens_details.cached_tokens`. The prefill
+        worker's `PrefillCompleted` is published before its first token leaves, so it is normally here
+        already; it is waited for at most `cached_tokens_wait_s` seconds (then the count is 0)."""
+        if not self._prefilled.is_set() and self.cached_tokens_wait_s > 0:
+            with contextlib.suppress(TimeoutError):
+                async with asyncio.timeout(self.cached_tokens_wait_s):
+                    await self._prefilled.wait()
+        return Usage.of(self.num_prompt_tokens, self.num_output_tokens, self.num_cached_tokens)
 
     async def _next_chunk(self, gap_deadline: float | None) -> TokenChunk:
         wait_until = self.deadline if gap_deadline is None else min(self.deadline, gap_deadline)
@@ -206,12 +231,14 @@ class Generation:
             otel_context.detach(token)
 
     async def close(self) -> None:
-        if self._sub is not None:
-            sub, self._sub = self._sub, None
+        for sub in (self._sub, self._event_sub):
+            if sub is None:
+                continue
             try:
                 await sub.unsubscribe()
             except Exception as e:  # connection already closed: nothing left to free
                 log.debug("unsubscribe of %s failed: %s", self.request_id, e)
+        self._sub = self._event_sub = None
 
     def _remaining_s(self) -> float:
         return max(self.deadline - time.monotonic(), 0.001)

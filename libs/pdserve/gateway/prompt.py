@@ -15,6 +15,12 @@ from pdserve.gateway.protocol import ChatCompletionRequest, CompletionRequest
 from pdserve.messages import SamplingParams
 
 COMPLETIONS_DEFAULT_MAX_TOKENS = 16  # OpenAI's legacy /v1/completions default
+# Temperatures below this are greedy (vLLM's _SAMPLING_EPS): dividing logits by 1e-300 overflows to inf.
+SAMPLING_EPS = 1e-5
+# No token of the served vocabularies decodes to more characters than this (SmolLM2's longest: 81), so a
+# text longer than max_model_len × this many characters cannot fit and is refused before tokenizing it
+# (tokenizing megabytes would hold the gateway's event loop for seconds).
+MAX_CHARS_PER_TOKEN = 128
 
 
 class Tokenizer(Protocol):
@@ -54,6 +60,8 @@ def check_model(requested: str | None, served: str) -> None:
 def prepare_completion(req: CompletionRequest, tokenizer: Tokenizer, max_model_len: int) -> PreparedRequest:
     """Raises `APIError` 400 when the prompt does not fit the context with `max_tokens`."""
     prompt = req.prompt
+    if isinstance(prompt, str):
+        _check_length(prompt, max_model_len, "prompt")
     ids = tokenizer.encode(prompt) if isinstance(prompt, str) else list(prompt)
     if not ids:
         raise invalid_request("prompt encodes to no tokens", param="prompt")
@@ -67,8 +75,10 @@ def prepare_completion(req: CompletionRequest, tokenizer: Tokenizer, max_model_l
 def prepare_chat(req: ChatCompletionRequest, tokenizer: Tokenizer, max_model_len: int) -> PreparedRequest:
     """Applies the chat template with the generation prompt. Raises `APIError` 400 when the template
     refuses the messages or the conversation does not fit the context."""
+    messages = req.template_messages()
+    _check_length("".join(m["content"] for m in messages), max_model_len, "messages")
     try:
-        text = tokenizer.apply_chat_template(req.template_messages(), add_generation_prompt=True)
+        text = tokenizer.apply_chat_template(messages, add_generation_prompt=True)
     except Exception as e:  # jinja templates reject bad role orders with raise_exception(...)
         raise invalid_request(f"The chat template rejected the messages: {e}", param="messages") from e
     ids = tokenizer.encode(text)
@@ -77,6 +87,15 @@ def prepare_chat(req: ChatCompletionRequest, tokenizer: Tokenizer, max_model_len
     max_tokens = requested if requested is not None else max(max_model_len - len(ids), 1)
     param = "max_completion_tokens" if req.max_completion_tokens is not None else "messages"
     return _prepared(req, tokenizer, ids, max_tokens, max_model_len, param=param)
+
+
+def _check_length(text: str, max_model_len: int, param: str) -> None:
+    """Raise `APIError` 400 `context_length_exceeded` for a text too long to fit whatever its tokens."""
+    if len(text) > max_model_len * MAX_CHARS_PER_TOKEN:
+        raise invalid_request(
+            f"This model's maximum context length is {max_model_len} tokens; the {param} has {len(text)} "
+            f"characters, more than any {max_model_len} tokens can hold.",
+            param=param, code="context_length_exceeded")
 
 
 def _prepared(req: CompletionRequest | ChatCompletionRequest, tokenizer: Tokenizer, ids: list[int],
@@ -89,7 +108,7 @@ def _prepared(req: CompletionRequest | ChatCompletionRequest, tokenizer: Tokeniz
     try:
         sampling = SamplingParams(
             max_tokens=max_tokens,
-            temperature=req.temperature,
+            temperature=req.temperature if req.temperature >= SAMPLING_EPS else 0.0,
             top_p=req.top_p,
             top_k=-1 if req.top_k == 0 else req.top_k,
             seed=req.seed,

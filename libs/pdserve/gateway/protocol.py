@@ -3,8 +3,8 @@
 Field names, types, ranges and defaults follow the OpenAI API reference
 (platform.openai.com/docs/api-reference) and vLLM's `vllm/entrypoints/openai/protocol.py`, so the official
 clients work unchanged. Extensions taken from vLLM: `top_k`, `stop_token_ids`, `ignore_eos`. Fields a
-client may send but that do not change what pdserve computes (`user`, `cache_salt`, `metadata`, `store`,
-...) are accepted and ignored; fields whose value pdserve cannot honour (`n` > 1, more than 5 logprobs,
+client may send but that do not change what pdserve computes (`user`, `metadata`, `store`, ...) are
+accepted and ignored; fields whose value pdserve cannot honour (`n` above 16, more than 5 logprobs,
 `echo`, `tools`, a non-zero penalty) are refused with a 400 rather than silently ignored. Parsing errors are
 pydantic `ValidationError`s; `errors.api_error_from_validation` turns them into OpenAI's 400 shape.
 """
@@ -16,6 +16,8 @@ from typing import Annotated, Any, Literal
 from pydantic import BaseModel, ConfigDict, Field, ValidationInfo, field_validator, model_validator
 
 TokenId = Annotated[int, Field(ge=0)]
+MAX_CHOICES = 16  # pdserve.gateway.choices: each choice is a request of its own on the workers
+INT64_MIN, INT64_MAX = -(2**63), 2**63 - 1
 
 
 class StreamOptions(BaseModel):
@@ -36,11 +38,11 @@ class _SamplingFields(BaseModel):
     temperature: float = Field(1.0, ge=0.0, le=2.0)
     top_p: float = Field(1.0, gt=0.0, le=1.0)
     top_k: int = Field(-1, ge=-1, description="vLLM extension; -1 or 0 = all tokens.")
-    seed: int | None = None
+    seed: int | None = Field(None, ge=INT64_MIN, le=INT64_MAX)
     stop: str | list[str] | None = None
     stop_token_ids: list[TokenId] | None = Field(None, description="vLLM extension.")
     ignore_eos: bool = Field(False, description="vLLM extension: keep going past EOS (benchmarks).")
-    n: int = 1
+    n: int = Field(1, ge=1, le=MAX_CHOICES, description="Choices to generate (pdserve.gateway.choices).")
     presence_penalty: float = Field(0.0, ge=-2.0, le=2.0)
     frequency_penalty: float = Field(0.0, ge=-2.0, le=2.0)
     logit_bias: dict[str, float] | None = None
@@ -68,13 +70,15 @@ class _SamplingFields(BaseModel):
         stops = [v] if isinstance(v, str) else (v or [])
         if any(s == "" for s in stops):
             raise ValueError("stop strings must not be empty")
+        if any("\x00" in s for s in stops):
+            raise ValueError("stop strings must not contain NUL")
         return v
 
-    @field_validator("n")
+    @field_validator("cache_salt")
     @classmethod
-    def _single_choice(cls, v: int) -> int:
-        if v != 1:
-            raise ValueError("only n=1 is supported")
+    def _storable_salt(cls, v: str | None) -> str | None:
+        if v is not None and "\x00" in v:
+            raise ValueError("cache_salt must not contain NUL")
         return v
 
     @model_validator(mode="after")
@@ -169,8 +173,8 @@ class ChatCompletionRequest(_SamplingFields):
     max_completion_tokens: int | None = None
     logprobs: bool = False
     top_logprobs: int | None = Field(None, ge=0, le=20, description="OpenAI's range; pdserve serves up to 5.")
-    tools: list[Any] | None = None
-    tool_choice: Any = None
+    tools: list[dict[str, Any]] | None = None
+    tool_choice: str | dict[str, Any] | None = None
 
     @field_validator("max_completion_tokens")
     @classmethod

@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import time
 from collections.abc import Sequence
+from dataclasses import dataclass, field
 from typing import Literal
 
 from pydantic import BaseModel
@@ -26,15 +27,35 @@ from pdserve.gateway.logprobs import (
 from pdserve.messages import TokenLogprobs
 
 
+class PromptTokensDetails(BaseModel):
+    cached_tokens: int = 0
+
+
 class Usage(BaseModel):
+    """OpenAI's usage object, in tokens. `prompt_tokens_details.cached_tokens`: leading prompt tokens whose
+    KV came from a prefix cache instead of being computed (the prefill's `num_cached_tokens`)."""
+
     prompt_tokens: int
     completion_tokens: int
     total_tokens: int
+    prompt_tokens_details: PromptTokensDetails = PromptTokensDetails()
 
     @classmethod
-    def of(cls, prompt_tokens: int, completion_tokens: int) -> Usage:
+    def of(cls, prompt_tokens: int, completion_tokens: int, cached_tokens: int = 0) -> Usage:
         return cls(prompt_tokens=prompt_tokens, completion_tokens=completion_tokens,
-                   total_tokens=prompt_tokens + completion_tokens)
+                   total_tokens=prompt_tokens + completion_tokens,
+                   prompt_tokens_details=PromptTokensDetails(cached_tokens=cached_tokens))
+
+
+@dataclass
+class ChoiceText:
+    """One choice of a whole (non-streamed) answer, as collected: its text, finish reason, and, when the
+    request asked for logprobs, one entry per output token and where each token's text starts."""
+
+    text: str = ""
+    finish_reason: str | None = None
+    logprobs: list[TokenLogprobs] = field(default_factory=list)
+    text_offsets: list[int] = field(default_factory=list)
 
 
 class CompletionChoice(BaseModel):
@@ -114,16 +135,17 @@ class Formatter:
         self.include_usage = include_usage
         self.token_text = token_text
 
-    def whole(self, text: str, finish_reason: str | None, usage: Usage,
-              logprobs: Sequence[TokenLogprobs] = (), text_offsets: Sequence[int] = ()) -> BaseModel:
+    def whole(self, choices: Sequence[ChoiceText], usage: Usage) -> BaseModel:
+        """The whole answer: `choices[i]` is choice index i."""
         raise NotImplementedError
 
-    def opening_chunks(self) -> list[BaseModel]:
-        """Chunks sent as soon as the request is accepted (before any token)."""
+    def opening_chunks(self, n: int = 1) -> list[BaseModel]:
+        """Chunks sent as soon as the request is accepted (before any token), for `n` choices."""
         return []
 
     def text_chunk(self, text: str, finish_reason: str | None = None, logprobs: Sequence[TokenLogprobs] = (),
-                   text_offsets: Sequence[int] = ()) -> BaseModel:
+                   text_offsets: Sequence[int] = (), index: int = 0) -> BaseModel:
+        """A streamed chunk of choice `index`."""
         raise NotImplementedError
 
     def usage_chunk(self, usage: Usage) -> BaseModel:
@@ -136,16 +158,16 @@ class Formatter:
 class CompletionFormatter(Formatter):
     id_prefix = "cmpl-"
 
-    def whole(self, text: str, finish_reason: str | None, usage: Usage,
-              logprobs: Sequence[TokenLogprobs] = (), text_offsets: Sequence[int] = ()) -> CompletionResponse:
-        choice = CompletionChoice(text=text, finish_reason=finish_reason,
-                                  logprobs=self._logprobs(logprobs, text_offsets))
+    def whole(self, choices: Sequence[ChoiceText], usage: Usage) -> CompletionResponse:
+        out = [CompletionChoice(index=i, text=c.text, finish_reason=c.finish_reason,
+                                logprobs=self._logprobs(c.logprobs, c.text_offsets))
+               for i, c in enumerate(choices)]
         return CompletionResponse(id=self.id, created=self.created, model=self.model, usage=usage,
-                                  choices=[choice])
+                                  choices=out)
 
     def text_chunk(self, text: str, finish_reason: str | None = None, logprobs: Sequence[TokenLogprobs] = (),
-                   text_offsets: Sequence[int] = ()) -> CompletionResponse:
-        choice = CompletionChoice(index=0, text=text, logprobs=self._logprobs(logprobs, text_offsets),
+                   text_offsets: Sequence[int] = (), index: int = 0) -> CompletionResponse:
+        choice = CompletionChoice(index=index, text=text, logprobs=self._logprobs(logprobs, text_offsets),
                                   finish_reason=finish_reason)
         return CompletionResponse(id=self.id, object="text_completion", created=self.created,
                                   model=self.model, choices=[choice], **self._usage_field())
@@ -162,21 +184,20 @@ class CompletionFormatter(Formatter):
 class ChatFormatter(Formatter):
     id_prefix = "chatcmpl-"
 
-    def whole(self, text: str, finish_reason: str | None, usage: Usage,
-              logprobs: Sequence[TokenLogprobs] = (),
-              text_offsets: Sequence[int] = ()) -> ChatCompletionResponse:
-        choice = ChatChoice(message=AssistantMessage(content=text), finish_reason=finish_reason,
-                            logprobs=self._logprobs(logprobs))
-        return ChatCompletionResponse(id=self.id, created=self.created, model=self.model, choices=[choice],
+    def whole(self, choices: Sequence[ChoiceText], usage: Usage) -> ChatCompletionResponse:
+        out = [ChatChoice(index=i, message=AssistantMessage(content=c.text), finish_reason=c.finish_reason,
+                          logprobs=self._logprobs(c.logprobs))
+               for i, c in enumerate(choices)]
+        return ChatCompletionResponse(id=self.id, created=self.created, model=self.model, choices=out,
                                       usage=usage)
 
-    def opening_chunks(self) -> list[BaseModel]:
-        return [self._chunk(Delta(role="assistant", content=""), None)]
+    def opening_chunks(self, n: int = 1) -> list[BaseModel]:
+        return [self._chunk(Delta(role="assistant", content=""), None, index=i) for i in range(n)]
 
     def text_chunk(self, text: str, finish_reason: str | None = None, logprobs: Sequence[TokenLogprobs] = (),
-                   text_offsets: Sequence[int] = ()) -> ChatCompletionChunk:
+                   text_offsets: Sequence[int] = (), index: int = 0) -> ChatCompletionChunk:
         delta = Delta(content=text) if text or logprobs else Delta()
-        return self._chunk(delta, finish_reason, self._logprobs(logprobs) if logprobs else None)
+        return self._chunk(delta, finish_reason, self._logprobs(logprobs) if logprobs else None, index)
 
     def usage_chunk(self, usage: Usage) -> ChatCompletionChunk:
         return ChatCompletionChunk(id=self.id, object="chat.completion.chunk", created=self.created,
@@ -186,7 +207,7 @@ class ChatFormatter(Formatter):
         return None if self.token_text is None else chat_logprobs(entries, self.token_text)
 
     def _chunk(self, delta: Delta, finish_reason: str | None,
-               logprobs: ChatLogprobs | None = None) -> ChatCompletionChunk:
-        choice = ChatChunkChoice(index=0, delta=delta, logprobs=logprobs, finish_reason=finish_reason)
+               logprobs: ChatLogprobs | None = None, index: int = 0) -> ChatCompletionChunk:
+        choice = ChatChunkChoice(index=index, delta=delta, logprobs=logprobs, finish_reason=finish_reason)
         return ChatCompletionChunk(id=self.id, object="chat.completion.chunk", created=self.created,
                                    model=self.model, choices=[choice], **self._usage_field())

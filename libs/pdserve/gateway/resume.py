@@ -97,12 +97,16 @@ class ResumedGeneration(Generation):
         last_event_id: int,
         timeout_s: float,
         gap_timeout_s: float,
+        cached_tokens_wait_s: float = 1.0,
     ) -> ResumedGeneration:
         gen: ResumedGeneration | None = None
         subs = []
 
         async def on_event(event: Event) -> None:
-            if gen is not None and (chunk := event_chunk(event)) is not None:
+            if gen is None:
+                return
+            await gen._note_event(event)
+            if (chunk := event_chunk(event)) is not None:
                 await gen._queue.put(chunk)
 
         queue_chunks: list[TokenChunk] = []
@@ -144,11 +148,14 @@ class ResumedGeneration(Generation):
             gap_timeout_s=gap_timeout_s,
             cache_salt=received.cache_salt,
             include_usage=received.include_usage,
+            cached_tokens_wait_s=cached_tokens_wait_s,
         )
         gen.received = received
         gen.resume_from = last_event_id
         gen.ended = any(e.type in ("RequestCompleted", "RequestFailed", "RequestAborted") for e in history)
         gen._subs = subs
+        for event in history:
+            await gen._note_event(event)
         for chunk in [*queue_chunks, *(c for e in history if (c := event_chunk(e)) is not None)]:
             gen._queue.put_nowait(chunk)
         return gen

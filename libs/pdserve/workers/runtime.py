@@ -11,6 +11,7 @@ import torch
 
 from pdserve.bus import Bus
 from pdserve.config import WorkerSettings
+from pdserve.engine.host_memory import retain_freed_memory
 from pdserve.engine.loader import load_model
 from pdserve.messages import KVTransportKind, Role
 from pdserve.service import run_service
@@ -31,6 +32,7 @@ def run_worker(default_role: Role,
         settings.worker_id = f"{settings.role}-{os.getpid()}"
     # One intra-op thread: prefill and decode workers each own a core on a small machine.
     torch.set_num_threads(settings.torch_threads)
+    retain_freed_memory()  # a forward's large activations stay in the heap between steps
 
     async def setup(bus: Bus):
         loaded = await asyncio.to_thread(load_model, settings.model, settings.weights_cache_dir)
