@@ -17,6 +17,13 @@ from pydantic_settings import BaseSettings, SettingsConfigDict
 from pdserve.messages import KVTransportKind, Role
 
 
+class DeviceKind(StrEnum):
+    """`PDS_DEVICE`: where a worker's engine runs (engine/device.py)."""
+
+    CPU = "cpu"
+    CUDA = "cuda"
+
+
 class ModelName(StrEnum):
     """The models a worker or the gateway can load (`pdserve.engine.loader.load_model`). A closed set for
     now: when local model directories become models, `ModelSettings.model` takes those paths too."""
@@ -190,6 +197,10 @@ class WorkerSettings(CommonSettings, ModelSettings):
     commit_every_tokens: int = Field(16, description="A TokensCommitted event every this many output tokens.")
     heartbeat_interval_s: float = Field(0.5, description="Heartbeat period.")
     torch_threads: int = Field(1, description="torch intra-op threads: one core per worker by default.")
+    device: DeviceKind = Field(
+        DeviceKind.CPU, description="Where the engine's weights, KV pool and forward tensors live: 'cpu' "
+        "(fp32) or 'cuda' (bf16). Workers pair only with peers of the same memory type (compatibility "
+        "descriptor).")
     block_size: int = Field(16, description="Tokens per KV cache block (in the compatibility descriptor).")
     kv_hash_seed: int = Field(0, description="Prefix-cache block hash seed; one for the whole cluster.")
     max_num_batched_tokens: int = Field(

@@ -3,6 +3,8 @@
 
 from __future__ import annotations
 
+from pydantic import Field
+
 from pdserve.messages.common import Message, Role
 
 
@@ -18,6 +20,8 @@ class CompatibilityDescriptor(Message):
     head_dim: int
     hash_seed: int
     layout_version: int
+    memory: str = Field("cpu", description="Where the KV pool lives (the device type: 'cpu' or 'cuda'); "
+                        "the transports move host memory, so only equal memory types pair.")
 
 
 class Heartbeat(Message):

@@ -11,8 +11,11 @@ from __future__ import annotations
 
 import asyncio
 
+import torch
+
 from pdserve.bus import Bus
 from pdserve.config import WorkerSettings
+from pdserve.engine.device import engine_dtype
 from pdserve.engine.llm_engine import EngineConfig, LLMEngine
 from pdserve.engine.loader import LoadedModel
 from pdserve.engine.model import LlamaModel
@@ -34,7 +37,8 @@ class WorkerCore:
         self.role = settings.role
         self.loaded = loaded
         self.transport = transport
-        self.model = LlamaModel(loaded.config, loaded.weights)
+        device = torch.device(settings.device)
+        self.model = LlamaModel(loaded.config, loaded.weights, device=device, dtype=engine_dtype(device))
         self.engine = LLMEngine(
             self.model,
             EngineConfig(

@@ -11,6 +11,7 @@ import time
 
 from pdserve.config import WorkerSettings
 from pdserve.engine.loader import LoadedModel
+from pdserve.engine.model import LlamaModel
 from pdserve.messages import CompatibilityDescriptor, Heartbeat
 from pdserve.telemetry import metrics
 from pdserve.workers.core import WorkerCore
@@ -22,12 +23,15 @@ LAYOUT_VERSION = (
 )
 
 
-def compatibility_descriptor(loaded: LoadedModel, settings: WorkerSettings) -> CompatibilityDescriptor:
+def compatibility_descriptor(
+    loaded: LoadedModel, settings: WorkerSettings, model: LlamaModel
+) -> CompatibilityDescriptor:
     cfg = loaded.config
     return CompatibilityDescriptor(
         model=loaded.name,
         weights_hash=loaded.weights_hash,
-        dtype="float32",
+        dtype=str(model.dtype).removeprefix("torch."),
+        memory=model.device.type,
         block_size=settings.block_size,
         num_layers=cfg.num_layers,
         num_kv_heads=cfg.num_kv_heads,
@@ -40,7 +44,7 @@ def compatibility_descriptor(loaded: LoadedModel, settings: WorkerSettings) -> C
 class Heartbeats:
     def __init__(self, core: WorkerCore) -> None:
         self.core = core
-        self.descriptor = compatibility_descriptor(core.loaded, core.settings)
+        self.descriptor = compatibility_descriptor(core.loaded, core.settings, core.model)
 
     def heartbeat(self) -> Heartbeat:
         """This worker's load and capacity now; the scheduler gauges of /metrics are set from the same
