@@ -6,14 +6,13 @@ paged pool and each KDA layer's recurrent and conv state — against HF's cache.
 from __future__ import annotations
 
 import json
-from pathlib import Path
 
 import pytest
 import torch
 
 from pdserve.engine.kimi_linear import KimiLinearModel
 from pdserve.engine.kimi_linear_config import KDA, MLA, SPARSE, KimiLinearConfig
-from pdserve.engine.loader import LoadedModel, build_model, load_model
+from pdserve.engine.loader import build_model, load_model
 from pdserve.engine.model_runner import ModelRunner
 from pdserve.engine.scheduler import ScheduledSeq
 from pdserve.engine.sequence import Sequence
@@ -32,27 +31,6 @@ def one_torch_thread():
     torch.set_num_threads(1)
     yield
     torch.set_num_threads(threads)
-
-
-@pytest.fixture(scope="session")
-def kimi_cache(tmp_path_factory) -> Path:
-    return tmp_path_factory.mktemp("kimi-weights")
-
-
-@pytest.fixture(scope="session")
-def kimi(kimi_cache) -> LoadedModel:
-    return load_model("kimi-tiny", kimi_cache)
-
-
-@pytest.fixture(scope="session")
-def kimi_dir(kimi, kimi_cache) -> Path:
-    (path,) = kimi_cache.glob("kimi-tiny-*")
-    return path
-
-
-@pytest.fixture(scope="session")
-def kimi_hf(kimi_dir) -> torch.nn.Module:
-    return transformers.KimiLinearForCausalLM.from_pretrained(kimi_dir).eval()
 
 
 @pytest.fixture(scope="session")

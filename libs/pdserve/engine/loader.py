@@ -44,7 +44,8 @@ class LoadedModel:
     `config`: the family's (`LlamaConfig` or `KimiLinearConfig`; `family` names it). `weights`: fp32 CPU
     tensors by HF name; `lm_head.weight` is absent when `config.tie_word_embeddings`.
     `weights_hash`: hex digest identifying these exact weights (part of the KV compatibility descriptor).
-    `name`: the built-in name or the directory it was loaded from.
+    `name`: the built-in name or the directory it was loaded from; `path`: that directory (None for a
+    model not read from one: smollm2's GGUF, tiny).
     """
 
     config: LlamaConfig | KimiLinearConfig
@@ -52,6 +53,7 @@ class LoadedModel:
     weights_hash: str
     tokenizer: Tokenizer
     name: str
+    path: Path | None = None
 
     @property
     def family(self) -> str:
@@ -83,7 +85,7 @@ def load_model_dir(path: str | Path, name: str | None = None) -> LoadedModel:
     and the safetensors. Raises FileNotFoundError, ValueError (another model_type)."""
     raw, weights, digest = read_checkpoint(path)
     config = config_from_hf(raw)
-    return LoadedModel(config, weights, digest, load_tokenizer(str(path)), name or str(path))
+    return LoadedModel(config, weights, digest, load_tokenizer(str(path)), name or str(path), Path(path))
 
 
 def load_model(name: str, cache_dir: Path) -> LoadedModel:
