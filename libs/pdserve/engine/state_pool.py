@@ -213,15 +213,16 @@ class StatePool:
     ) -> list[tuple[CheckpointSave, ...]]:
         """For each scheduled (sequence, new tokens): the checkpoints its new tokens cross (positions p,
         a multiple of the interval, within them) that are not stored yet, each with a slot taken for it
-        (skipped when none is free). `hashes(seq, num_blocks)`: the chained hashes of its first blocks.
+        — the latest first, so when slots run short the longest prefixes are the ones saved — in position
+        order. `hashes(seq, num_blocks)`: the chained hashes of its first blocks.
         Hand the plan to the forward, then to `commit_checkpoints` (or `cancel_checkpoints`)."""
         plan: list[tuple[CheckpointSave, ...]] = []
         interval = self.checkpoint_interval
         for seq, num_new in batch:
             saves: list[CheckpointSave] = []
-            start = seq.num_computed_tokens
-            first = (start // interval + 1) * interval if interval else start + num_new + 1
-            for num_tokens in range(first, start + num_new + 1, interval or 1):
+            start, end = seq.num_computed_tokens, seq.num_computed_tokens + num_new
+            last = end // interval * interval if interval else 0
+            for num_tokens in range(last, start, -interval or -1):  # latest first: the most useful
                 block_hash = hashes(seq, num_tokens // self.block_size)[-1]
                 if block_hash in self.checkpoints:
                     continue
@@ -229,7 +230,7 @@ class StatePool:
                 if slot is None:
                     break
                 saves.append(CheckpointSave(num_tokens - start, slot, num_tokens, block_hash))
-            plan.append(tuple(saves))
+            plan.append(tuple(reversed(saves)))
         return plan
 
     def commit_checkpoints(self, plan: list[tuple[CheckpointSave, ...]]) -> None:
