@@ -133,6 +133,21 @@ def test_checkpoints_yield_to_live_sequences_and_never_take_a_live_slot(model, t
     assert pool.num_live == 0
 
 
+def test_a_sequence_adopts_the_checkpoint_it_resumes_from_when_that_is_the_only_slot_left(model, tokens):
+    engine = engine_of(model, num_state_slots=2, checkpoint_interval=2 * BS)
+    prefix = tokens[:40]
+    engine.generate([prefix], GREEDY)  # the state at 32 checkpointed
+    busy = Sequence("busy", tokens[100:110], SamplingParams(max_tokens=30, temperature=0, ignore_eos=True))
+    hit = Sequence("hit", prefix[:36] + tokens[150:160], GREEDY)
+    engine.add_request(busy)  # takes the free slot; the checkpoint's is the only one left for `hit`
+    engine.add_request(hit)
+    engine.step()
+    assert hit.num_checkpoint_tokens == 32 and hit.num_cached_tokens == 32
+    while engine.has_work:
+        engine.step()
+    assert hit.output_token_ids == oracle.greedy(model, hit.token_ids[: hit.num_prompt_tokens], 8)
+
+
 def test_the_pool_refuses_clearly_when_every_slot_is_live(model):
     pool = StatePool(model.cache_spec().state, 2, block_size=BS)
     seqs = [Sequence(f"s{i}", [1, 2, 3]) for i in range(3)]

@@ -143,19 +143,21 @@ class StatePool:
         Raises NoFreeStateSlots (nothing changed), ValueError when `seq` holds a slot."""
         if seq.state_slot is not None:
             raise ValueError(f"{seq.request_id} already holds state slot {seq.state_slot}")
+        found = self.find_checkpoint(seq) if resume else None
+        if found is not None:
+            self.checkpoints.move_to_end(found[0])  # most recently used: evicted last
         slot = self._take_slot(evict=True)
         if slot is None:
             raise NoFreeStateSlots(f"{seq.request_id}: all {self.num_slots} state slots are live")
         self.live[slot] = seq.request_id
         seq.state_slot = slot
         seq.num_checkpoint_tokens = 0
-        found = self.find_checkpoint(seq) if resume else None
         if found is None:
             self._zero(slot)
         else:
-            block_hash, (source, num_tokens) = found
-            self.checkpoints.move_to_end(block_hash)
-            self._copy(source, slot)
+            _, (source, num_tokens) = found
+            if source != slot:  # else the checkpoint itself was the slot left to take: adopted as it is
+                self._copy(source, slot)
             seq.num_checkpoint_tokens = num_tokens
             self.num_checkpoint_hits += 1
             self.num_checkpoint_tokens += num_tokens
