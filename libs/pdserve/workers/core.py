@@ -17,8 +17,7 @@ from pdserve.bus import Bus
 from pdserve.config import WorkerSettings
 from pdserve.engine.device import engine_dtype
 from pdserve.engine.llm_engine import EngineConfig, LLMEngine
-from pdserve.engine.loader import LoadedModel
-from pdserve.engine.model import LlamaModel
+from pdserve.engine.loader import LoadedModel, build_model
 from pdserve.engine.sequence import Sequence
 from pdserve.telemetry import metrics
 from pdserve.transfer.base import KVTransport
@@ -38,7 +37,7 @@ class WorkerCore:
         self.loaded = loaded
         self.transport = transport
         device = torch.device(settings.device)
-        self.model = LlamaModel(loaded.config, loaded.weights, device=device, dtype=engine_dtype(device))
+        self.model = build_model(loaded, device, engine_dtype(device))
         self.engine = LLMEngine(
             self.model,
             EngineConfig(

@@ -11,7 +11,7 @@ import time
 
 from pdserve.config import WorkerSettings
 from pdserve.engine.loader import LoadedModel
-from pdserve.engine.model import LlamaModel
+from pdserve.engine.model_family import EngineModel
 from pdserve.messages import CompatibilityDescriptor, Heartbeat
 from pdserve.telemetry import metrics
 from pdserve.workers.core import WorkerCore
@@ -24,7 +24,7 @@ LAYOUT_VERSION = (
 
 
 def compatibility_descriptor(
-    loaded: LoadedModel, settings: WorkerSettings, model: LlamaModel
+    loaded: LoadedModel, settings: WorkerSettings, model: EngineModel
 ) -> CompatibilityDescriptor:
     cfg = loaded.config
     return CompatibilityDescriptor(
