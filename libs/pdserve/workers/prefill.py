@@ -1,5 +1,5 @@
 """The prefill command of a worker: run the prompt through the engine (chunked, batched with whatever
-else runs) and return its first token.
+else runs), stream its first token to the client at once, and return it.
 
 On a prefill worker the prompt's KV rows that the decode worker lacks are streamed to it as each layer is
 computed (`kv_transfer_mode='layerwise'`) or all at once after the prefill (`'naive'`, the baseline);
@@ -18,7 +18,15 @@ from pdserve.config import KVTransferMode
 from pdserve.engine.llm_engine import CannotFit
 from pdserve.engine.sequence import Sequence, SequenceStatus
 from pdserve.events import PrefillCompleted, PrefillStarted
-from pdserve.messages import PrefillOutcome, PrefillRequest, PrefillResult, RejectCode, Role
+from pdserve.messages import (
+    PrefillOutcome,
+    PrefillRequest,
+    PrefillResult,
+    RejectCode,
+    Role,
+    TokenChunk,
+    TokenLogprobs,
+)
 from pdserve.workers.core import WorkerCore
 from pdserve.workers.kv_transfer import OutboundKV
 
@@ -86,12 +94,13 @@ class PrefillCommands:
             # The compute is done: from here on, what the decode worker waits for is the transfer's tail
             # (benchmarks/exposed_transfer.py measures it from this event to TransferCompleted).
             prefill_s = time.perf_counter() - t0
+            first_token_ts = await self._stream_first_token(req, first_token, first_logprobs)
             cached = seq.num_cached_tokens
             # What the event and the reply share; the event's kv_bytes are those sent so far.
             outcome = PrefillOutcome(
                 transfer_id=req.transfer_id, first_token_id=first_token, num_cached_tokens=cached,
                 num_computed_tokens=num_prompt - cached, prefill_s=prefill_s,
-                kv_bytes=outbound.kv_bytes if outbound is not None else 0,
+                kv_bytes=outbound.kv_bytes if outbound is not None else 0, first_token_ts=first_token_ts,
             )
             completed = PrefillCompleted(prefill_worker_id=core.worker_id, **dict(outcome))
             await core.bus.emit(req.request_id, completed, core.worker_id)
@@ -103,3 +112,19 @@ class PrefillCommands:
                 delivered = await outbound.complete(seq.num_chunks_sent)
                 outcome = outcome.model_copy(update={"kv_bytes": delivered})
         return PrefillResult(request_id=req.request_id, first_token_logprobs=first_logprobs, **dict(outcome))
+
+    async def _stream_first_token(
+        self, req: PrefillRequest, token: int, logprobs: TokenLogprobs | None
+    ) -> float:
+        """Publish the prompt's sampled token to the client now, so the first token waits for neither the
+        KV transfer's tail nor the coordinator's start of decode; returns the UNIX seconds it left, 0.0 when
+        it is not published (a retry, or a stop token: the decode worker ends the stream on it). The decode
+        worker streams the same index again once it admits the sequence; the gateway keeps one of each
+        index (`ChunkReassembler`)."""
+        core = self.core
+        if not req.stream_first_token or core.engine.is_stop_token(token, req.sampling):
+            return 0.0
+        await core.bus.publish(core.bus.subjects.tokens(req.request_id), TokenChunk(
+            request_id=req.request_id, index=req.output_start_index, token_ids=(token,),
+            logprobs=(logprobs,) if logprobs is not None else None))
+        return time.time()
