@@ -126,12 +126,23 @@ def summarise_all(results: dict) -> dict:
     return summary
 
 
+def _rounded(x):
+    """Floats to 7 decimals (0.1 µs of a time in seconds), so the per-request JSON stays small."""
+    if isinstance(x, float):
+        return round(x, 7)
+    if isinstance(x, dict):
+        return {k: _rounded(v) for k, v in x.items()}
+    if isinstance(x, list | tuple):
+        return [_rounded(v) for v in x]
+    return x
+
+
 def write_reports(results: dict, out: Path) -> list[Path]:
     out.mkdir(parents=True, exist_ok=True)
     summary = summarise_all(results)
     results["summary"] = summary
     paths = [out / "control_plane.json", out / "control_plane.md", out / "control_plane.png"]
-    paths[0].write_text(json.dumps(results, indent=2))
+    paths[0].write_text(json.dumps(_rounded(results), indent=1))
     meta = results["meta"]
     stacks = [s for s in results["servers"] if s != "floor"]
     f1 = lambda v: "–" if v is None else f"{v:.1f}"  # noqa: E731
@@ -148,8 +159,9 @@ def write_reports(results: dict, out: Path) -> list[Path]:
         "client, concurrency and run. **above floor** = overhead percentile − floor percentile (all "
         "rounds pooled; in brackets each round's p50 gap).",
         "- Phases (p50 / mean ms) add up to the overhead in the mean: client↔gateway = client TTFT − the "
-        "server's TTFT (HTTP in, the gateway's work before its receive stamp and after the first token "
-        "reaches it, SSE out); queue = gateway receive → coordinator starts routing; route, reserve = those "
+        "server's TTFT (which ends when the first token leaves the decode worker): HTTP in and the "
+        "gateway's work before its receive stamp, then the token's way back (worker → NATS → gateway → "
+        "SSE → client); queue = gateway receive → coordinator starts routing; route, reserve = those "
         "round trips; prefill dispatch = the coordinator's prefill phase − the worker's forward; start "
         "decode = colocated only: the StartDecode hop, which the breakdown books as exposed transfer when no "
         "KV moves (for disaggregated it sits in first token); first "
@@ -189,7 +201,8 @@ def write_reports(results: dict, out: Path) -> list[Path]:
     width = 0.8 / max(1, len(stacks))
     for j, name in enumerate(stacks):
         xs = [i + j * width for i in range(len(concs))]
-        ax.bar(xs, [summary[c][name]["above_floor_p50_ms"] for c in concs], width, label=f"{name} p50")
+        bars = ax.bar(xs, [summary[c][name]["above_floor_p50_ms"] for c in concs], width, label=f"{name} p50")
+        ax.bar_label(bars, fmt="%.1f", fontsize=8)
         ax.scatter(xs, [summary[c][name]["above_floor_p99_ms"] for c in concs], marker="_", s=300, c="k")
         for x, name_target in zip(xs, [TARGET_MS[name]] * len(xs), strict=True):
             ax.hlines(name_target, x - width / 2, x + width / 2, colors="r", linestyles="--")
@@ -271,6 +284,7 @@ def main() -> int:
                     console.print(f"round {r + 1}/{args.rounds} concurrency {conc}: [bold]{name}[/]")
                     entry[name] = asyncio.run(one_run(urls[name], dbs[name], args.num_prompts, args.input_len,
                                                       args.output_len, conc, seed=1000 * r + ci))
+                    entry[name]["loadavg_1min_after"] = os.getloadavg()[0]
                 results["runs"][str(conc)].append(entry)
                 results["meta"]["loadavg_end"] = os.getloadavg()
                 write_reports(results, args.out)

@@ -170,12 +170,24 @@ def write_reports(results: dict, out: Path) -> list[Path]:
             lines.append(f"| {cell} | {name} | " + " | ".join(cells) + f" | {s['failed']} |")
     lines += ["", "Targets (issue 14) for pdserve colocated against vLLM, measured in this run:", "",
               "| cell | figure | target | measured | |", "|---|---|---|---|---|", *target_lines(summary)]
-    lines += ["", "Per round (output tok/s · TTFT p50 ms), in the order the servers ran:", ""]
+    failures = [f"- {cell} round {i + 1} {n}: {r[n]['failed']} failed ({'; '.join(r[n]['errors'])})"
+                for cell, rounds in results["cells"].items() for i, r in enumerate(rounds)
+                for n in servers if n in r and r[n]["failed"]]
+    if failures:
+        lines += ["", "Failed requests (they count in no figure: a server's output tok/s divides only the "
+                  "tokens of its completed requests by the cell's duration):", "", *failures]
+    lines += ["", "Per round (output tok/s · TTFT p50 ms), in the order the servers ran, with the 1-min load "
+              "average after each where recorded (other work on this shared machine moves the figures "
+              "between rounds):", ""]
     for cell, rounds in results["cells"].items():
         for i, r in enumerate(rounds):
             order = r.get("_order", servers)
+            def load(x: dict) -> str:  # the 1-min load average right after the run (absent in older runs)
+                return f" (load {x['loadavg_1min_after']:.1f})" if "loadavg_1min_after" in x else ""
+
             lines.append(f"- {cell} round {i + 1}: " + ", ".join(
-                f"{n} {r[n]['output_throughput']:.1f} · {r[n]['ttft_p50_ms']:.0f}" for n in order if n in r))
+                f"{n} {r[n]['output_throughput']:.1f} · {r[n]['ttft_p50_ms']:.0f}{load(r[n])}"
+                for n in order if n in r))
     if results.get("breakdown_ms"):
         stages = ("queue", "route", "reserve", "prefill", "exposed_transfer", "first_token", "server_ttft")
         lines += ["", "pdserve's server-side TTFT breakdown (mean ms over the cell's requests, from the "
@@ -278,7 +290,7 @@ def main() -> int:
                     console.print(f"round {r + 1}/{args.rounds} cell {cell_name(cell)}: [bold]{name}[/]")
                     report = measure(urls[name], cell, args.num_prompts, seed=1000 * r + ci,
                                      database_url=dbs[name])
-                    entry[name] = cell_figures(report)
+                    entry[name] = cell_figures(report) | {"loadavg_1min_after": os.getloadavg()[0]}
                     f = entry[name]
                     console.print(f"  {f['output_throughput']:.1f} tok/s, "
                                   f"TTFT p50 {f['ttft_p50_ms']:.0f} ms, TPOT p50 {f['tpot_p50_ms']:.0f} ms, "

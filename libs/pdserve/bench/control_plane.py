@@ -8,7 +8,7 @@ prefill worker's own `PrefillCompleted.prefill_s` from the `events` table):
 and the same split by phase, so the parts add up to `overhead`:
 
 - `client_gateway`: client TTFT − server TTFT (the HTTP request in, the gateway's handling up to its
-  receive stamp, and the first SSE chunk back out: the client ↔ coordinator path),
+  receive stamp, and the first token's way back: decode worker → NATS → gateway → SSE → client),
 - `queue`: gateway receive → the coordinator starts routing (gateway → coordinator hop, admission),
 - `route`: the router's round trip, `reserve`: the decode worker's KV reservation round trip,
 - `prefill_dispatch`: the coordinator's prefill phase − the worker's forward (dispatch to the prefill
