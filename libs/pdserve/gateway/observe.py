@@ -8,21 +8,26 @@ conventions (`gen_ai.request.model`, `gen_ai.usage.input_tokens`, `gen_ai.usage.
 
 Metrics (default registry, vLLM's names with the `pdserve:` prefix, vllm/v1/metrics/loggers.py):
 `request_success_total{model,finished_reason}`, `prompt_tokens_total`, `generation_tokens_total`,
-TTFT and E2E latency as the client sees them, plus `pdserve:request_errors_total{model,status}` and the
-`pdserve:gateway_requests_in_flight` gauge.
+TTFT, ITL, TPOT and E2E latency as the client sees them, plus `pdserve:request_errors_total{model,status}`
+and the `pdserve:gateway_requests_in_flight` gauge.
 """
 
 from __future__ import annotations
 
 import time
-from collections.abc import Iterator
+from collections.abc import Iterator, Sequence
 from contextlib import contextmanager
 
 from opentelemetry import trace
 from opentelemetry.trace import Status, StatusCode
 from prometheus_client import Counter, Gauge
 
-from pdserve.telemetry.metrics import E2E_REQUEST_LATENCY_SECONDS, TIME_TO_FIRST_TOKEN_SECONDS
+from pdserve.telemetry.metrics import (
+    E2E_REQUEST_LATENCY_SECONDS,
+    INTER_TOKEN_LATENCY_SECONDS,
+    TIME_PER_OUTPUT_TOKEN_SECONDS,
+    TIME_TO_FIRST_TOKEN_SECONDS,
+)
 
 tracer = trace.get_tracer("pdserve.gateway")
 
@@ -63,7 +68,10 @@ class RequestObserver:
             yield
 
     def finish(self, *, num_output_tokens: int, first_token_monotonic: float | None,
-               finish_reason: str | None, error_status: int | None = None, error: str | None = None) -> None:
+               finish_reason: str | None, error_status: int | None = None, error: str | None = None,
+               last_token_monotonic: float | None = None, inter_token_s: Sequence[float] = ()) -> None:
+        """End the span and record the request's metrics: TTFT once a token came, and for a success E2E
+        latency, each gap between tokens (ITL) and the request's TPOT."""
         if self._finished:
             return
         self._finished = True
@@ -75,6 +83,13 @@ class RequestObserver:
             PROMPT_TOKENS.labels(self.model).inc(self._num_prompt_tokens)
             GENERATION_TOKENS.labels(self.model).inc(num_output_tokens)
             E2E_REQUEST_LATENCY_SECONDS.labels(self.model).observe(time.monotonic() - self.start)
+            itl = INTER_TOKEN_LATENCY_SECONDS.labels(self.model)
+            for gap in inter_token_s:
+                itl.observe(gap)
+            first, last = first_token_monotonic, last_token_monotonic
+            if first is not None and last is not None and num_output_tokens > 1:
+                TIME_PER_OUTPUT_TOKEN_SECONDS.labels(self.model).observe(
+                    (last - first) / (num_output_tokens - 1))
         else:
             self.span.set_attribute("http.response.status_code", error_status)
             self.span.set_status(Status(StatusCode.ERROR, error))

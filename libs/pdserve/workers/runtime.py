@@ -13,6 +13,7 @@ from pdserve.config import WorkerSettings
 from pdserve.engine.loader import load_model
 from pdserve.messages import Role
 from pdserve.service import run_service
+from pdserve.telemetry import metrics
 from pdserve.transfer import make_transport
 from pdserve.workers.worker import Worker
 
@@ -35,6 +36,7 @@ def run_worker(default_role: Role) -> None:
             transport = make_transport(settings.kv_transport)
             await transport.start()
         worker = Worker(bus, settings, loaded, transport)
+        metrics.init_worker_series(settings.worker_id, receives_kv=settings.role is not Role.PREFILL)
         await worker.serve()
         tasks = [bus.spawn(worker.run_heartbeats()), bus.spawn(worker.loop.run())]
         log.info("%s serving %s as %s", settings.worker_id, loaded.name, settings.role)
