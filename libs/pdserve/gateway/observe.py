@@ -3,8 +3,9 @@
 The span is the root of the request's trace (docs/architecture.md §8); it is current while the gateway talks
 to the bus,
 so the coordinator's spans join it through the `traceparent` header. Attributes: OTel GenAI semantic
-conventions (`gen_ai.request.model`, `gen_ai.usage.input_tokens`, `gen_ai.usage.output_tokens`,
-`gen_ai.response.finish_reasons`) and `pdserve.request_id`.
+conventions (`gen_ai.operation.name`, `gen_ai.request.model` / `max_tokens` / `temperature` / `top_p` /
+`top_k` / `seed`, `gen_ai.response.id` / `model` / `finish_reasons`, `gen_ai.usage.input_tokens` /
+`output_tokens`) and `pdserve.request_id`.
 
 Metrics (default registry, vLLM's names with the `pdserve:` prefix, vllm/v1/metrics/loggers.py):
 `request_success_total{model,finished_reason}`, `prompt_tokens_total`, `generation_tokens_total`,
@@ -22,6 +23,7 @@ from opentelemetry import trace
 from opentelemetry.trace import Status, StatusCode
 from prometheus_client import Counter, Gauge
 
+from pdserve.engine.sampling_params import SamplingParams
 from pdserve.telemetry.metrics import (
     E2E_REQUEST_LATENCY_SECONDS,
     INTER_TOKEN_LATENCY_SECONDS,
@@ -45,18 +47,29 @@ class RequestObserver:
     """Opens the span at construction; `finish(...)` ends it and records the metrics, once."""
 
     def __init__(self, request_id: str, model: str, endpoint: str, num_prompt_tokens: int, max_tokens: int,
-                 stream: bool, received_monotonic: float) -> None:
+                 stream: bool, received_monotonic: float, sampling: SamplingParams | None = None) -> None:
         self.model = model
         self.start = received_monotonic
-        self.span = tracer.start_span("gateway.request", attributes={
+        chat = "chat" in endpoint
+        attributes: dict[str, str | int | float | bool] = {
             "pdserve.request_id": request_id,
-            "gen_ai.operation.name": "chat" if "chat" in endpoint else "text_completion",
+            "gen_ai.operation.name": "chat" if chat else "text_completion",
             "gen_ai.request.model": model,
             "gen_ai.request.max_tokens": max_tokens,
             "gen_ai.usage.input_tokens": num_prompt_tokens,
+            "gen_ai.response.id": f"{'chatcmpl' if chat else 'cmpl'}-{request_id}",  # the body's `id`
+            "gen_ai.response.model": model,
             "http.route": endpoint,
             "pdserve.stream": stream,
-        })
+        }
+        if sampling is not None:
+            attributes |= {"gen_ai.request.temperature": sampling.temperature,
+                           "gen_ai.request.top_p": sampling.top_p}
+            if sampling.top_k > 0:
+                attributes["gen_ai.request.top_k"] = sampling.top_k
+            if sampling.seed is not None:
+                attributes["gen_ai.request.seed"] = sampling.seed
+        self.span = tracer.start_span("gateway.request", attributes=attributes)
         self._num_prompt_tokens = num_prompt_tokens
         self._finished = False
         REQUESTS_IN_FLIGHT.labels(model).inc()
