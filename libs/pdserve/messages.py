@@ -10,7 +10,7 @@ Subjects (prefix `pds` by default, configurable so tests can share a server):
 |----------------------------------|------------------|-------------------|-------------------------|
 | pds.coord.submit                 | Submit           | Accepted          | gateway → coordinator   |
 | pds.coord.abort                  | Abort            | Ack               | gateway → coordinator   |
-| pds.coord.finished               | DecodeFinished   | Ack               | decode → coordinator    |
+| pds.worker.<id>.finished         | DecodeFinished   | Ack               | decode → coordinator    |
 | pds.router.route                 | RouteRequest     | RouteDecision     | coordinator → router    |
 | pds.worker.<id>.reserve          | ReserveRequest   | Reservation       | coordinator → decode    |
 | pds.worker.<id>.prefill          | PrefillRequest   | PrefillResult     | coordinator → prefill   |
@@ -59,9 +59,10 @@ class Subjects:
     def abort(self) -> str:
         return f"{self.prefix}.coord.abort"
 
-    @property
-    def finished(self) -> str:
-        return f"{self.prefix}.coord.finished"
+    def finished(self, worker_id: str = "*") -> str:
+        """A decode worker's DecodeFinished reports, under its own subjects: a worker publishes nothing under
+        `coord.` (docs/architecture.md §9)."""
+        return f"{self.prefix}.worker.{worker_id}.finished"
 
     @property
     def route(self) -> str:
