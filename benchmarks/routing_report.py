@@ -167,8 +167,9 @@ def write_markdown(result: dict, path: Path) -> None:
                     "transfer, "
                     "and `start` waits for that transfer even after it prefilled the request itself, so the "
                     "request times out in the transfer phase. Cancelling the armed transfer when the decode "
-                    "worker prefills locally (three lines in `pdserve.workers.worker.Worker.prefill`, not in "
-                    "this change: another owner's file) serves the same request in 0.2 s (checked on a "
+                    "worker prefills locally (three lines in "
+                    "`pdserve.workers.prefill.PrefillCommands.prefill`, not in this change: another owner's "
+                    "file) serves the same request in 0.2 s (checked on a "
                     "scratch copy). The same gap affects conditional disaggregation "
                     "(`local_prefill_max_tokens` > 0).",
                     "",

@@ -32,5 +32,6 @@ def pack_kv(kv_layer: torch.Tensor, slots: torch.Tensor) -> torch.Tensor:
 
 
 def unpack_kv(kv_layer: torch.Tensor, slots: torch.Tensor, rows: torch.Tensor) -> None:
-    """Write `rows` [len(slots), 2, num_kv_heads, head_dim] into slots `slots` of `kv_layer`, in place."""
-    kv_layer.view(-1, *kv_layer.shape[2:]).index_copy_(0, slots, rows)
+    """Write `rows` [len(slots), 2, num_kv_heads, head_dim] into slots `slots` of `kv_layer`, in place;
+    `rows` may be in host memory while `kv_layer` is on a device (copied over first)."""
+    kv_layer.view(-1, *kv_layer.shape[2:]).index_copy_(0, slots, rows.to(kv_layer.device))

@@ -158,3 +158,25 @@ def smollm2_hf():
     return transformers.AutoModelForCausalLM.from_pretrained(
         path.parent, gguf_file=path.name, dtype=torch.float32
     ).eval()
+
+
+@pytest.fixture(scope="session")
+def kimi(tmp_path_factory):
+    """kimi-tiny as pdserve loads it: generated into a fresh cache directory of this test session."""
+    from pdserve.engine.loader import load_model
+
+    return load_model("kimi-tiny", tmp_path_factory.mktemp("kimi-weights"))
+
+
+@pytest.fixture(scope="session")
+def kimi_dir(kimi):
+    """The HF-layout directory kimi-tiny was generated into."""
+    return kimi.path
+
+
+@pytest.fixture(scope="session")
+def kimi_hf(kimi_dir):
+    """HF transformers' KimiLinearForCausalLM loaded from that same directory: the oracle."""
+    import transformers
+
+    return transformers.KimiLinearForCausalLM.from_pretrained(kimi_dir).eval()

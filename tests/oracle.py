@@ -1,20 +1,20 @@
 """The greedy reference the distributed paths must equal: pdserve's own engine serving one prompt alone in
-this process — no batching, no chunking, no transfer, no other worker. (The engine itself is checked
-against HF transformers in tests/unit/test_model_vs_hf.py.)"""
+this process — no batching, no chunking, no transfer, no other worker. Any model family. (The engine itself
+is checked against HF transformers in tests/unit/test_model_vs_hf.py and test_kimi_linear_vs_hf.py.)"""
 
 from __future__ import annotations
 
 from collections.abc import Sequence
 
 from pdserve.engine.llm_engine import EngineConfig, LLMEngine
-from pdserve.engine.model import LlamaModel
+from pdserve.engine.model_family import EngineModel
 from pdserve.engine.sequence import Sequence as EngineSequence
 from pdserve.messages import SamplingParams
 
 BLOCK_SIZE = 16
 
 
-def greedy(model: LlamaModel, prompt_ids: Sequence[int], max_tokens: int) -> list[int]:
+def greedy(model: EngineModel, prompt_ids: Sequence[int], max_tokens: int) -> list[int]:
     """Exactly `max_tokens` greedy token ids after `prompt_ids` (EOS ignored, so lengths are fixed)."""
     num_tokens = len(prompt_ids) + max_tokens
     engine = LLMEngine(model, EngineConfig(num_blocks=-(-num_tokens // BLOCK_SIZE), block_size=BLOCK_SIZE,
@@ -23,7 +23,7 @@ def greedy(model: LlamaModel, prompt_ids: Sequence[int], max_tokens: int) -> lis
     return engine.generate([list(prompt_ids)], sampling)[0]
 
 
-def greedy_logprobs(model: LlamaModel, prompt_ids: Sequence[int], max_tokens: int) -> list[float]:
+def greedy_logprobs(model: EngineModel, prompt_ids: Sequence[int], max_tokens: int) -> list[float]:
     """The logprob of each of `greedy`'s tokens (the raw log-softmax of the logits it was chosen from)."""
     num_tokens = len(prompt_ids) + max_tokens
     engine = LLMEngine(model, EngineConfig(num_blocks=-(-num_tokens // BLOCK_SIZE), block_size=BLOCK_SIZE,

@@ -179,9 +179,14 @@ class Bus:
         """Fire-and-forget on core NATS (heartbeats, token chunks)."""
         await self.nc.publish(subject, msg.model_dump_json().encode(), headers=_inject_headers())
 
-    async def subscribe(self, subject: str, msg_type: type[M], handler: Callable[[M], Awaitable[None]]):
+    async def subscribe(self, subject: str, msg_type: type[M], handler: Callable[[M], Awaitable[None]],
+                        flush: bool = True):
         """Subscribe with a typed handler; malformed messages are logged and skipped. Returns the
-        subscription (call `unsubscribe()` on it)."""
+        subscription (call `unsubscribe()` on it). With `flush` (the default) it returns once the server
+        has the subscription, so another connection may publish to it at once. Without, the caller relies
+        on NATS's per-connection order instead: a message this connection publishes later (a Submit, a
+        JetStream publish) reaches the server after the subscription, so whatever it causes elsewhere
+        does too — one round trip less on a request's path."""
 
         async def on_msg(msg: Msg) -> None:
             try:
@@ -192,7 +197,8 @@ class Bus:
             await handler(parsed)
 
         sub = await self.nc.subscribe(subject, cb=on_msg)
-        await self.nc.flush()
+        if flush:
+            await self.nc.flush()
         return sub
 
     # ------------------------------------------------------------ events

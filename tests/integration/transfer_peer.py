@@ -1,5 +1,4 @@
-"""A KV sender in its own OS process, driven over a multiprocessing pipe (used by test_transport.py and
-benchmarks/transfer.py).
+"""A KV sender in its own OS process, driven over a multiprocessing pipe (used by test_transport.py).
 
 Commands (tuples): ("send", SendPlan) → replies ("sent", payload bytes); ("stop",) → exits. Errors reply
 ("error", repr). The KV it sends is `layer_kv(seed, ...)`, so the receiving test can rebuild it exactly.
@@ -20,7 +19,8 @@ from pdserve.messages import KVEndpoint
 @dataclass(frozen=True)
 class SendPlan:
     """One transfer to send: `num_layers` × `num_chunks` chunks of `chunk_tokens` rows each.
-    `corrupt` names (layer, chunk) pairs to flip a byte in; `finish=False` leaves out the end marker;
+    `corrupt` names (layer, chunk) pairs to flip a byte in (the sender is a `CorruptingTransport`);
+    `finish=False` leaves out the end marker;
     `from_thread` sends through `send_layer_threadsafe` from a worker thread, as a torch forward would;
     `burst` fires every chunk's send without waiting for the previous one (prefill's layer-wise mode)."""
 
@@ -78,8 +78,9 @@ def run_sender(kind: str, conn: Connection, env: dict[str, str] | None = None) -
 
 async def _serve(kind: str, conn: Connection) -> None:
     from pdserve.transfer import make_transport
+    from tests.faults.corrupting import CorruptingTransport
 
-    transport = make_transport(kind)
+    transport = CorruptingTransport(make_transport(kind))
     await transport.start()
     conn.send(("ready", transport.endpoint()))
     try:

@@ -9,7 +9,7 @@ import pytest
 import torch
 
 from pdserve.config import ModelSettings
-from pdserve.engine.loader import LoadedModel, load_model
+from pdserve.engine.loader import LoadedModel, build_model, load_model
 from pdserve.engine.model import LlamaModel
 from pdserve.engine.model_config import LlamaConfig
 from pdserve.engine.model_files import smollm2_gguf_path
@@ -196,6 +196,25 @@ def test_forward_refuses_positions_past_the_rope_table(tiny) -> None:
 def test_tiny_engine_greedy_equals_hf_greedy(tiny, tiny_hf, tiny_ids) -> None:
     prompt = tiny_ids[:12].tolist()
     assert oracle.greedy(LlamaModel(tiny.config, tiny.weights), prompt, 10) == hf_greedy(tiny_hf, prompt, 10)
+
+
+def test_a_llama_directory_saved_by_hf_is_served_with_hfs_greedy_tokens(tiny, tmp_path) -> None:
+    """A local HF-layout directory of the llama family (HF's own save_pretrained, another config and
+    seed): `load_model(dir)` picks the family from config.json and serves HF's greedy tokens."""
+    config = transformers.LlamaConfig(
+        vocab_size=tiny.config.vocab_size, hidden_size=48, intermediate_size=80, num_hidden_layers=3,
+        num_attention_heads=6, num_key_value_heads=2, rope_theta=5000.0, max_position_embeddings=512,
+        tie_word_embeddings=False, initializer_range=0.3, bos_token_id=tiny.config.bos_token_id,
+        eos_token_id=tiny.config.eos_token_id,
+    )
+    torch.manual_seed(5)
+    hf = transformers.LlamaForCausalLM(config).eval()
+    hf.save_pretrained(tmp_path)
+    tiny.tokenizer.save_hf(tmp_path)
+    loaded = load_model(str(tmp_path), tmp_path)
+    assert loaded.family == "llama" and loaded.config.num_kv_heads == 2 and loaded.config.rope_theta == 5000.0
+    prompt = loaded.tokenizer.encode("Once upon a time, in a small village,")
+    assert oracle.greedy(build_model(loaded), prompt, 12) == hf_greedy(hf, prompt, 12)
 
 
 # ---------------------------------------------------------------- SmolLM2-135M-Instruct

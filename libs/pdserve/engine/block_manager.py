@@ -84,6 +84,19 @@ class BlockManager:
             hashes.append(parent)
         return PrefixHit(ids, hashes)
 
+    def chain_hashes(self, seq: Sequence, num_blocks: int) -> list[int]:
+        """The chained hashes of `seq`'s first `num_blocks` full blocks (those it registered, then hashed
+        from its token ids), without registering anything. Raises ValueError past its full blocks."""
+        bs = self.block_size
+        if num_blocks * bs > len(seq):
+            raise ValueError(f"{seq.request_id} has {len(seq)} tokens, not {num_blocks} full blocks")
+        hashes = seq.block_hashes[:num_blocks]
+        parent = hashes[-1] if hashes else root_hash(self.hash_seed)
+        for index in range(len(hashes), num_blocks):
+            parent = block_hash(parent, seq.token_ids[index * bs : (index + 1) * bs], seq.cache_salt)
+            hashes.append(parent)
+        return hashes
+
     def cache_full_blocks(self, seq: Sequence) -> None:
         """Register every full block of `seq` whose KV is computed and not yet registered (BlockStored).
 

@@ -32,3 +32,19 @@ class AllBlocksCleared(_KVEvent):
     """Sent at every worker start: whatever an index held for this worker is gone."""
 
     kind: Literal["AllBlocksCleared"] = "AllBlocksCleared"
+
+
+class CheckpointStored(_KVEvent):
+    """A hybrid model's recurrent state after `num_tokens` tokens is now held, under the chained hash of the
+    block ending there (`engine/state_pool.py`): a prefix hit can resume from it."""
+
+    kind: Literal["CheckpointStored"] = "CheckpointStored"
+    block_hash: int
+    num_tokens: int
+
+
+class CheckpointRemoved(_KVEvent):
+    """State checkpoints evicted, by the hash they were stored under."""
+
+    kind: Literal["CheckpointRemoved"] = "CheckpointRemoved"
+    block_hashes: tuple[int, ...]

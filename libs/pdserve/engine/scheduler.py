@@ -6,6 +6,10 @@ admitted first come first served while budget, sequence slots and blocks last. A
 remaining budget is cut into chunks (chunked prefill). When a running sequence needs a block and none is
 free, the newest running sequence is preempted by recompute: its blocks are freed and it goes back to the
 front of the queue, to be prefilled again (prompt + output so far) when blocks free up.
+
+A model with recurrent state (a hybrid) also needs a state slot per sequence (`state_pool.StatePool`):
+admission takes one beside the blocks (and resumes from the longest state checkpoint within the KV prefix
+hit); preemption and `release` give both back.
 """
 
 from __future__ import annotations
@@ -16,6 +20,7 @@ from typing import NamedTuple
 
 from pdserve.engine.block_manager import BlockManager
 from pdserve.engine.sequence import Sequence, SequenceStatus
+from pdserve.engine.state_pool import NoFreeStateSlots, StatePool
 
 
 class CannotFit(ValueError):
@@ -45,12 +50,16 @@ class SchedulerOutput(NamedTuple):
 
 
 class Scheduler:
-    """Owns the waiting queue and the running batch; draws blocks from `block_manager`."""
+    """Owns the waiting queue and the running batch; draws blocks from `block_manager` and, for a model
+    with recurrent state, state slots from `state_pool`."""
 
-    def __init__(self, block_manager: BlockManager, config: SchedulerConfig) -> None:
+    def __init__(
+        self, block_manager: BlockManager, config: SchedulerConfig, state_pool: StatePool | None = None
+    ) -> None:
         if config.max_num_batched_tokens < 1 or config.max_num_seqs < 1:
             raise ValueError(f"budgets must be positive: {config}")
         self.block_manager = block_manager
+        self.state_pool = state_pool
         self.config = config
         self.waiting: deque[Sequence] = deque()
         self.running: list[Sequence] = []
@@ -67,6 +76,30 @@ class Scheduler:
                 f"{num_tokens} tokens (prompt + max_tokens) need {bm.blocks_for(num_tokens)} blocks "
                 f"of {bm.block_size}; the KV cache has {bm.num_blocks}"
             )
+
+    def can_allocate(self, seq: Sequence) -> bool:
+        """Whether `allocate(seq)` would succeed now: blocks for its tokens and, with state, a slot."""
+        has_slot = self.state_pool is None or self.state_pool.can_allocate()
+        return has_slot and self.block_manager.can_allocate(seq)
+
+    def allocate(self, seq: Sequence, use_prefix_cache: bool = True, resume_state: bool = True) -> None:
+        """Give `seq` blocks for its tokens (its cached prefix shared unless not `use_prefix_cache`) and,
+        with state, a slot: resumed from the longest checkpoint within the hit when `resume_state` (compute
+        restarts there: `num_computed_tokens` = `num_checkpoint_tokens`), else left for `install` (the
+        state arrives whole: `num_computed_tokens` = `num_cached_tokens`).
+        Raises NoFreeBlocks or NoFreeStateSlots, with nothing held."""
+        if self.state_pool is not None and not self.state_pool.can_allocate():
+            raise NoFreeStateSlots(f"{seq.request_id}: no free state slot")
+        self.block_manager.allocate(seq, use_prefix_cache=use_prefix_cache)
+        if self.state_pool is not None:
+            self.state_pool.allocate(seq, resume=resume_state and use_prefix_cache)
+
+    def release(self, seq: Sequence) -> None:
+        """Free what `seq` holds: its blocks and its state slot (idempotent)."""
+        if seq.block_table:
+            self.block_manager.free(seq)
+        if self.state_pool is not None:
+            self.state_pool.free(seq)
 
     def max_tokens_of(self, seq: Sequence) -> int:
         """Most tokens `seq` can reach: its tokens now plus the output it may still generate."""
@@ -129,9 +162,9 @@ class Scheduler:
             return SchedulerOutput(scheduled, preempted)
         while self.waiting and budget > 0 and len(self.running) < self.config.max_num_seqs:
             seq = self.waiting[0]
-            if not bm.can_allocate(seq):
+            if not self.can_allocate(seq):
                 break
-            bm.allocate(seq)
+            self.allocate(seq)
             self.waiting.popleft()
             seq.status = SequenceStatus.RUNNING
             self.running.append(seq)
@@ -142,9 +175,10 @@ class Scheduler:
 
     def _preempt(self, seq: Sequence) -> None:
         self.running.remove(seq)
-        self.block_manager.free(seq)
+        self.release(seq)
         seq.num_computed_tokens = 0
         seq.num_cached_tokens = 0
+        seq.num_checkpoint_tokens = 0
         seq.num_preemptions += 1
         seq.status = SequenceStatus.WAITING
         self.waiting.appendleft(seq)

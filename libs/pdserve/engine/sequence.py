@@ -29,8 +29,12 @@ class Sequence:
     """A request's token ids (prompt then output) and its KV bookkeeping.
 
     `num_computed_tokens`: leading tokens whose KV is in this worker's blocks (computed here, hit in the
-    prefix cache, or received). `num_cached_tokens`: how many of those came from the prefix cache at the
-    last allocation. `block_table`: block ids in sequence order, `ceil(tokens / block_size)` of them while
+    prefix cache, or received) and, for a model with recurrent state, folded into its state.
+    `num_cached_tokens`: how many tokens' KV came from the prefix cache at the last allocation.
+    `num_checkpoint_tokens`: for a model with recurrent state (`state_pool`), the length of the state
+    checkpoint it resumed from at that allocation (<= num_cached_tokens: compute restarts there, the KV of
+    the tokens between being held already), else 0; `state_slot`: its slot in the state pool while it
+    holds one. `block_table`: block ids in sequence order, `ceil(tokens / block_size)` of them while
     allocated. `cache_salt` is an extra hash key: sequences with different salts never share blocks.
     `stop_after_prefill`: when the prompt's last token is computed, the sampled token is returned (not
     appended) and the sequence leaves the batch: freed (`free_after_prefill`) or parked. `kv_sink`, when
@@ -59,6 +63,8 @@ class Sequence:
         self.arrival = next(_arrival)
         self.num_computed_tokens = 0
         self.num_cached_tokens = 0
+        self.num_checkpoint_tokens = 0
+        self.state_slot: int | None = None
         self.block_table: list[int] = []
         self.block_hashes: list[int] = []  # chained hashes of the full blocks registered so far
         self.stop_after_prefill = False

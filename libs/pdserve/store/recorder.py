@@ -18,6 +18,9 @@ rejected: no throughput difference within this machine's noise (docs/benchmarks/
 unsafe as such — a restarted recorder is delivered new events before the ones its predecessor held unacked
 (those come back only after `ACK_WAIT_S`), so acking the last of its first batch would ack events never
 committed; so would a delivery lost in transit during a NATS reconnect.
+
+One file past ~300 lines on purpose: the overlap of two batches' transactions, their acks and the retry
+under an outage are one protocol (`run` → `_commit_until_done` → `_write`), read best on one page.
 """
 
 from __future__ import annotations

@@ -183,14 +183,10 @@ class KVTransport(ABC):
     Lifecycle: `start()` (binds to the running event loop) → `endpoint()` published in the Reservation →
     on the receiver `expect()` then `Inbound.wait()`; on the sender `send_layer()` per (layer, chunk) then
     `finish()` → `stop()`. Every coroutine may be awaited from another thread's event loop; it then runs
-    on the transport's own loop. `corrupt_next`: fault injection for tests — the next N chunks sent get one
-    byte flipped after their checksum was computed.
+    on the transport's own loop.
     """
 
     kind: KVTransportKind
-
-    def __init__(self) -> None:
-        self.corrupt_next = 0
 
     @abstractmethod
     async def start(self) -> None:

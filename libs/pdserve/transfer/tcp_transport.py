@@ -17,8 +17,7 @@ import numpy as np
 
 from pdserve.messages import KVEndpoint, KVTransportKind
 from pdserve.transfer.base import TransferError
-from pdserve.transfer.checksum import xxh3_hex_async
-from pdserve.transfer.chunked import ChunkedTransport, flip_one_byte
+from pdserve.transfer.chunked import ChunkedTransport
 from pdserve.transfer.header import (
     MAX_CONTROL_BYTES,
     PREFIX_BYTES,
@@ -90,12 +89,7 @@ class TcpTransport(ChunkedTransport):
 
     # -- sending
 
-    async def _send_chunk(self, endpoint: KVEndpoint, header: ChunkHeader, payload: np.ndarray,
-                          corrupt: bool) -> None:
-        # The checksum travels in the header, so it is computed before the first byte goes out.
-        header = header.model_copy(update={"checksum": await xxh3_hex_async(payload)})
-        if corrupt:
-            payload = flip_one_byte(payload)
+    async def _send_chunk(self, endpoint: KVEndpoint, header: ChunkHeader, payload: np.ndarray) -> None:
         await self._send(endpoint, encode_control(header), payload)
 
     async def _send_control(self, endpoint: KVEndpoint, msg: FinishMarker) -> None:

@@ -9,10 +9,11 @@ before it takes the next control message; a task per chunk then hashes each piec
 next piece is still being copied, and verifies the chunk against the header's checksum.
 
 Sender: an endpoint per peer from `create_endpoint_from_worker_address`, cached and reused; each chunk is
-hashed (xxh3-64), then sent as the header on `_CONTROL_TAG` and the payload in `_PIECE_BYTES` pieces on
-consecutive tags unique to this sender (random 31-bit sender id, 32-bit sequence number), all posted at
-once. UCX copies each piece with one kernel `process_vm_readv` by the receiver (CMA rendezvous);
-benchmarks/transfer.py measures that copy's ceiling and bare ucxx beside this transport.
+hashed (xxh3-64, in `ChunkedTransport.send_layer`), then sent as the header on `_CONTROL_TAG` and the
+payload in `_PIECE_BYTES` pieces on consecutive tags unique to this sender (random 31-bit sender id,
+32-bit sequence number), all posted at once. UCX copies each piece with one kernel `process_vm_readv` by
+the receiver (CMA rendezvous); benchmarks/transfer.py measures that copy's ceiling and bare ucxx beside
+this transport.
 
 Configuration: shared memory (`UCX_TLS=sm,self`; docs/architecture.md §10 measured bare ucxx at 5.4 / 7.0 /
 7.7 GB/s at
@@ -37,8 +38,8 @@ from ucxx.types import Tag
 
 from pdserve.messages import KVEndpoint, KVTransportKind
 from pdserve.transfer.base import TransferError
-from pdserve.transfer.checksum import StreamingXxh3, xxh3_hex_async
-from pdserve.transfer.chunked import ChunkedTransport, flip_one_byte
+from pdserve.transfer.checksum import StreamingXxh3
+from pdserve.transfer.chunked import ChunkedTransport
 from pdserve.transfer.header import (
     MAX_CONTROL_BYTES,
     ChunkHeader,
@@ -148,23 +149,18 @@ class UcxxTransport(ChunkedTransport):
 
     # -- sending
 
-    async def _send_chunk(self, endpoint: KVEndpoint, header: ChunkHeader, payload: np.ndarray,
-                          corrupt: bool) -> None:
+    async def _send_chunk(self, endpoint: KVEndpoint, header: ChunkHeader, payload: np.ndarray) -> None:
         ep = await self._endpoint_to(endpoint.address)
         pieces = piece_ranges(payload.nbytes, _PIECE_BYTES)
-        # The checksum travels in the header, so a chunk is one control message and its pieces: hashing
-        # first costs ~40 us per MiB here, a third message per chunk cost more (issue 4 timeline).
-        checksum = await xxh3_hex_async(payload)
+        # The checksum is in the header already, so a chunk is one control message and its pieces.
         tag = self._take_tags(len(pieces))
-        header = header.model_copy(update={"checksum": checksum, "payload_tag": tag,
-                                           "piece_bytes": _PIECE_BYTES})
-        bad_piece = random.randrange(len(pieces)) if corrupt else -1  # fault injection: a flipped copy
+        header = header.model_copy(update={"payload_tag": tag, "piece_bytes": _PIECE_BYTES})
         # A UCX request does not keep its buffer alive: `buffers` does, until every send completed.
         buffers = [Array(bytearray(encode_control(header)))]
         requests = [ep._ep.tag_send(buffers[0], Tag(_CONTROL_TAG))]
         for i, (a, b) in enumerate(pieces):
             if b > a:
-                buffers.append(Array(flip_one_byte(payload[a:b]) if i == bad_piece else payload[a:b]))
+                buffers.append(Array(payload[a:b]))
                 requests.append(ep._ep.tag_send(buffers[-1], Tag(tag + i)))
         await self._guard(endpoint.address, _settled(requests))
         buffers.clear()  # only now may the pieces' memory go

@@ -55,6 +55,8 @@ class OutboundKV:
     def on_layer(self, layer: int, start: int, rows: torch.Tensor) -> None:
         """The engine's KV sink (called in the engine's thread): `rows` [n, 2, num_kv_heads, head_dim] are
         positions start..start+n of layer `layer`, a copy the engine no longer touches."""
+        if rows.device.type != "cpu":  # the transports move host memory: a device pool's rows are staged
+            rows = rows.cpu()
         chunk = self._chunk_of.setdefault(start, len(self._chunk_of))
         row = start - self.req.decode_num_cached_tokens
         self.kv_bytes += rows.numel() * rows.element_size()
@@ -110,11 +112,13 @@ class InboundKV:
                  scatter_pool: concurrent.futures.Executor,
                  on_ready: Callable[[TransferStats], Awaitable[None]]) -> None:
         rows = len(seq) - seq.num_cached_tokens
-        self.staging = [torch.empty(rows, 2, num_kv_heads, head_dim) for _ in kv_cache]
+        # host memory (what the transports move), in the pool's dtype; scattered into a device pool from here
+        self.staging = [torch.empty(rows, 2, num_kv_heads, head_dim, dtype=pool.dtype) for pool in kv_cache]
         self.inbound = transport.expect(transfer_id, self.staging)
         self.inbound.on_chunk_verified = self._scatter_chunk
         self._kv_cache = kv_cache
-        self._slots = token_slots(seq.block_table, seq.num_cached_tokens, len(seq), block_size)
+        self._slots = token_slots(seq.block_table, seq.num_cached_tokens, len(seq), block_size,
+                                  kv_cache[0].device)
         self._pool = scatter_pool
         self._loop = asyncio.get_running_loop()
         self._scatters: list[asyncio.Future[None]] = []

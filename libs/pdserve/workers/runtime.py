@@ -5,22 +5,27 @@ from __future__ import annotations
 import asyncio
 import logging
 import os
+from collections.abc import Callable
 
 import torch
 
 from pdserve.bus import Bus
 from pdserve.config import WorkerSettings
+from pdserve.engine.host_memory import retain_freed_memory
 from pdserve.engine.loader import load_model
-from pdserve.messages import Role
+from pdserve.messages import KVTransportKind, Role
 from pdserve.service import run_service
 from pdserve.telemetry import metrics
-from pdserve.transfer import make_transport
+from pdserve.transfer import KVTransport, make_transport
 from pdserve.workers.worker import Worker
 
 log = logging.getLogger(__name__)
 
 
-def run_worker(default_role: Role) -> None:
+def run_worker(default_role: Role,
+               make_transport: Callable[[KVTransportKind], KVTransport] = make_transport) -> None:
+    """Run a worker process. `make_transport(kind)` builds its KV transport (a test wraps the real one to
+    inject faults: tests/faults/corrupting.py)."""
     settings = WorkerSettings()
     if "PDS_ROLE" not in os.environ:
         settings.role = default_role
@@ -28,6 +33,7 @@ def run_worker(default_role: Role) -> None:
         settings.worker_id = f"{settings.role}-{os.getpid()}"
     # One intra-op thread: prefill and decode workers each own a core on a small machine.
     torch.set_num_threads(settings.torch_threads)
+    retain_freed_memory()  # a forward's large activations stay in the heap between steps
 
     async def setup(bus: Bus):
         loaded = await asyncio.to_thread(load_model, settings.model, settings.weights_cache_dir)
@@ -38,7 +44,7 @@ def run_worker(default_role: Role) -> None:
         worker = Worker(bus, settings, loaded, transport)
         metrics.init_worker_series(settings.worker_id, receives_kv=settings.role is not Role.PREFILL)
         await worker.serve()
-        tasks = [bus.spawn(worker.run_heartbeats()), bus.spawn(worker.loop.run())]
+        tasks = [bus.spawn(worker.heartbeats.run()), bus.spawn(worker.core.loop.run())]
         log.info("%s serving %s as %s", settings.worker_id, loaded.name, settings.role)
 
         async def cleanup() -> None:

@@ -1,0 +1,81 @@
+"""What every command of a worker shares: the engine (model, KV cache, continuous batch) and the one lock
+in front of it, the engine loop, the reserved KV, the sequences prefilling for a decode worker, the KV
+cache events, and freeing what a request holds.
+
+The engine runs in a worker thread (one torch thread per worker), one step at a time under `compute`;
+every engine call from a handler takes the same lock, so the event loop keeps serving NATS and moving KV
+while a step runs and the engine is never used from two threads at once.
+"""
+
+from __future__ import annotations
+
+import asyncio
+
+import torch
+
+from pdserve.bus import Bus
+from pdserve.config import WorkerSettings
+from pdserve.engine.device import engine_dtype
+from pdserve.engine.llm_engine import EngineConfig, LLMEngine
+from pdserve.engine.loader import LoadedModel, build_model
+from pdserve.engine.sequence import Sequence
+from pdserve.telemetry import metrics
+from pdserve.transfer.base import KVTransport
+from pdserve.workers.engine_loop import EngineLoop
+from pdserve.workers.kv_events import KVEventPublisher
+from pdserve.workers.reserved_kv import ReservedKV, ReservedKVTable
+
+
+class WorkerCore:
+    def __init__(
+        self, bus: Bus, settings: WorkerSettings, loaded: LoadedModel, transport: KVTransport | None
+    ) -> None:
+        self.bus = bus
+        self.settings = settings
+        self.worker_id = settings.worker_id
+        self.role = settings.role
+        self.loaded = loaded
+        self.transport = transport
+        device = torch.device(settings.device)
+        self.model = build_model(loaded, device, engine_dtype(device))
+        self.engine = LLMEngine(
+            self.model,
+            EngineConfig(
+                num_blocks=max(settings.kv_capacity_tokens // settings.block_size, 1),
+                block_size=settings.block_size,
+                max_num_batched_tokens=settings.max_num_batched_tokens,
+                max_num_seqs=settings.max_num_seqs,
+                hash_seed=settings.kv_hash_seed,
+            ),
+            loaded.tokenizer.stop_token_ids,
+        )
+        self.reserved = ReservedKVTable()
+        self.prefilling: dict[str, Sequence] = {}  # prefill role: sequences computing for a decode worker
+        self.compute = asyncio.Lock()  # one engine call at a time on this worker's core
+        self.kv_events = KVEventPublisher(bus, self.worker_id, self.engine.block_manager)
+        self.loop = EngineLoop(self.engine, self.compute, bus, self.worker_id,
+                               commit_every_tokens=settings.commit_every_tokens,
+                               after_step=self.kv_events.flush)
+
+    async def free(self, seq: Sequence) -> None:
+        async with self.compute:
+            self.engine.free(seq)
+        await self.kv_events.flush()
+
+    async def free_reserved(self, held: ReservedKV) -> None:
+        """Free popped reserved KV once nothing writes into its blocks any more."""
+        if held.kv is not None:
+            await held.kv.drained()
+        await self.free(held.seq)
+
+    async def drop(self, request_id: str) -> None:
+        """Free `request_id`'s reserved KV, if any."""
+        held = self.reserved.pop(request_id)
+        if held is not None:
+            await self.free_reserved(held)
+
+    def count_prefix_cache(self, num_prompt_tokens: int, num_cached_tokens: int) -> None:
+        """One prefix cache lookup: `num_prompt_tokens` queried, `num_cached_tokens` found (vLLM's
+        prefix_cache_queries / prefix_cache_hits, in tokens)."""
+        metrics.PREFIX_CACHE_QUERIES.labels(worker_id=self.worker_id).inc(num_prompt_tokens)
+        metrics.PREFIX_CACHE_HITS.labels(worker_id=self.worker_id).inc(num_cached_tokens)
