@@ -193,7 +193,11 @@ class RouterSettings(CommonSettings):
 
 class CoordinatorSettings(CommonSettings):
     route_timeout_s: float = Field(2.0, description="Deadline of the route phase.")
-    reserve_timeout_s: float = Field(2.0, description="Deadline of one reserve call.")
+    reserve_timeout_s: float = Field(
+        10.0, description="Deadline of one reserve call. A reserve waits for the engine step in progress on "
+        "its worker (up to max_num_batched_tokens of prefill: ~1 s for SmolLM2 here, more under load); at "
+        "2 s, colocated stacks at concurrency 8 lost requests to false migrations. A dead worker is found by "
+        "its heartbeats first (worker_timeout_s).")
     admission_wait_s: float = Field(30.0, description="How long a request waits for decode capacity.")
     max_waiting_requests: int = Field(
         256, description="Admission queue bound: a Submit arriving while this many requests wait for decode "

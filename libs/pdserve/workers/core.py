@@ -50,6 +50,9 @@ class WorkerCore:
             loaded.tokenizer.stop_token_ids,
         )
         self.reserved = ReservedKVTable()
+        # request id → transfer id of the newest reserve command for it: a later reserve supersedes an
+        # earlier one still waiting for the engine (the coordinator gave up on that one's reply)
+        self.reserving: dict[str, str] = {}
         self.prefilling: dict[str, Sequence] = {}  # prefill role: sequences computing for a decode worker
         self.compute = asyncio.Lock()  # one engine call at a time on this worker's core
         self.kv_events = KVEventPublisher(bus, self.worker_id, self.engine.block_manager)
@@ -67,6 +70,17 @@ class WorkerCore:
         if held.kv is not None:
             await held.kv.drained()
         await self.free(held.seq)
+
+    async def release(self, request_id: str, reason: str) -> None:
+        """Free everything `request_id` holds here (its stream, a prefill in flight, its reserved KV or
+        prefilling sequence); idempotent."""
+        self.loop.stop(request_id)
+        self.loop.fail_prefill(request_id, reason)
+        held = self.reserved.pop(request_id)
+        if held is not None:
+            await self.free_reserved(held)
+        elif (seq := self.prefilling.pop(request_id, None)) is not None:
+            await self.free(seq)
 
     async def drop(self, request_id: str) -> None:
         """Free `request_id`'s reserved KV, if any."""

@@ -53,17 +53,28 @@ class DecodeCommands:
                 RejectCode.INVALID,
                 f"{len(req.prompt_token_ids)} prompt token ids for num_prompt_tokens {req.num_prompt_tokens}",
             )
-        if core.reserved.get(req.request_id) is not None:
-            raise RejectedError(RejectCode.DUPLICATE, f"request {req.request_id} already reserved")
+        # The coordinator's newest reserve for a request wins: it sends another only once it gave up on
+        # the earlier one's reply (a timeout behind a long engine step, a migration back to this worker),
+        # so whatever the request still holds here is released first.
+        core.reserving[req.request_id] = req.transfer_id
+        await core.release(req.request_id, "superseded by a newer reserve")
         prompt = req.prompt_token_ids or (0,) * req.num_prompt_tokens  # placeholder until `start` tells
         seq = Sequence(req.request_id, prompt, cache_salt=req.cache_salt)
-        async with core.compute:
-            try:
-                core.engine.reserve(seq, req.max_tokens, use_prefix_cache=known)
-            except CannotFit as e:
-                raise RejectedError(RejectCode.INVALID, f"can never fit: {e}") from e
-            except NoFreeBlocks as e:
-                raise RejectedError(RejectCode.CAPACITY, str(e)) from e
+        try:
+            async with core.compute:
+                try:
+                    core.engine.reserve(seq, req.max_tokens, use_prefix_cache=known)
+                except CannotFit as e:
+                    raise RejectedError(RejectCode.INVALID, f"can never fit: {e}") from e
+                except NoFreeBlocks as e:
+                    raise RejectedError(RejectCode.CAPACITY, str(e)) from e
+        finally:
+            latest = core.reserving.get(req.request_id) == req.transfer_id
+            if latest:
+                del core.reserving[req.request_id]
+        if not latest:  # a newer reserve came while this one waited for the engine
+            await core.free(seq)
+            raise RejectedError(RejectCode.DUPLICATE, f"reserve {req.transfer_id} superseded by a newer one")
         if known:
             core.count_prefix_cache(req.num_prompt_tokens, seq.num_cached_tokens)
         held = ReservedKV(req.request_id, req.transfer_id, seq,

@@ -39,16 +39,9 @@ class Worker:
         self.worker_id = self.core.worker_id
 
     async def release(self, req: Release) -> Ack:
-        core = self.core
         if req.finish_reason is not None:
-            await core.loop.finish_now(req.request_id, req.finish_reason)
-        core.loop.stop(req.request_id)
-        core.loop.fail_prefill(req.request_id, req.reason)
-        held = core.reserved.pop(req.request_id)
-        if held is not None:
-            await core.free_reserved(held)
-        elif (seq := core.prefilling.pop(req.request_id, None)) is not None:
-            await core.free(seq)
+            await self.core.loop.finish_now(req.request_id, req.finish_reason)
+        await self.core.release(req.request_id, req.reason)
         return Ack()
 
     async def serve(self) -> None:
