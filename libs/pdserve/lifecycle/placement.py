@@ -98,6 +98,8 @@ async def place(
         timings["prefill"] = time.time()
         result = await _prefill(ctx, decision, reservation, prompt)
         timings["prefilled"] = time.time()
+        # a hybrid's state handoff, after the compute (PrefillResult.state_s): the TTFT's serial state part
+        timings["state_sent"] = max(timings["prefill"], timings["prefilled"] - result.state_s)
         try:
             admitted = await _start(ctx, decision, reservation, result, prompt, start_index)
             break
