@@ -23,13 +23,15 @@ MIN_TRANSFER_BYTES = 64 * MIB
 class TransportConfig:
     """`kind`: a `make_transport` kind, or "bare-ucxx" (ucxx tagged messages, no transport). `layers`:
     chunks (bare: messages) per transfer when not `--layers`. `checksum` (bare only): xxh3-64 of every
-    message on both sides, as the transport does."""
+    message on both sides, as the transport does. `memory` (bare only): "host", or "cuda" for buffers in
+    GPU memory on both sides (benchmarks/device_check.py)."""
 
     name: str
     kind: str
     env: dict[str, str]
     layers: int | None = None
     checksum: bool = False
+    memory: str = "host"
 
 
 def transfers_for(size: int) -> int:
@@ -124,6 +126,18 @@ def _messages(buf: np.ndarray, n: int) -> list[np.ndarray]:
     return [buf[i * step : (i + 1) * step] for i in range(n)]
 
 
+def _bare_buffer(cfg: TransportConfig, size: int, random: bool):
+    """`size` bytes on the configured memory: a numpy array on the host, a torch uint8 tensor on CUDA
+    (ucxx takes either: the CUDA array interface for the latter, sent by UCX's CUDA transports)."""
+    if cfg.memory == "cuda":
+        import torch
+
+        if random:
+            return torch.randint(0, 256, (size,), dtype=torch.uint8, device="cuda")
+        return torch.zeros(size, dtype=torch.uint8, device="cuda")
+    return np.random.default_rng(0).integers(0, 256, size, np.uint8) if random else np.zeros(size, np.uint8)
+
+
 async def _bare_receive_all(cfg, sizes, reps, layers, parent, peer) -> None:
     """The bare-ucxx ceilings: each transfer is `layers` tagged messages of `size / layers` bytes into
     a preallocated buffer, every receive posted before the sender starts, no header; with `cfg.checksum`
@@ -137,7 +151,7 @@ async def _bare_receive_all(cfg, sizes, reps, layers, parent, peer) -> None:
     ctx = _bare_context()
     peer.send(ctx.worker_address.tobytes())
     for size in sizes:
-        messages = _messages(np.zeros(size, np.uint8), layers)
+        messages = _messages(_bare_buffer(cfg, size, random=False), layers)
         arrays = [Array(m) for m in messages]
         for rep in range(reps + 1):
             nbytes, seconds = 0, 0.0
@@ -172,7 +186,7 @@ async def _bare_send_all(cfg, peer, layers) -> None:
     while (job := await asyncio.to_thread(peer.recv)) is not None:
         k, size = job
         if size not in sources:
-            sources = {size: _messages(np.random.default_rng(0).integers(0, 256, size, np.uint8), layers)}
+            sources = {size: _messages(_bare_buffer(cfg, size, random=True), layers)}
         t0 = time.perf_counter()
         arrays, requests = [], []  # `arrays` keeps every buffer alive until its send completed
         for i, message in enumerate(sources[size]):

@@ -131,9 +131,10 @@ def _decode_attention(q: torch.Tensor, kv_layer: torch.Tensor, meta: PagedAttent
     The blocks are gathered in one copy straight into a head-major [2, kv_heads, batch * max_blocks,
     block_size, head_dim] layout (`index_select` over a permuted view of the pool), so K and V of each
     (KV head, sequence) are contiguous and both matmuls are plain bmm batched over (KV head, sequence); the
-    query heads sharing a KV head are the rows of one matmul. Measured here (torch 2.13, 1 thread, 32
-    sequences, SmolLM2's 3 KV heads of 64): 96 keys 0.36 ms a layer against 16.6 ms when the blocks were
-    gathered token-major and then transposed (two copies), 512 keys 8 ms against 65 ms.
+    query heads sharing a KV head are the rows of one matmul. Against gathering token-major and then
+    transposing (two copies), measured here interleaved in one process (torch 2.13, 1 thread, 32
+    sequences, SmolLM2's 3 KV heads of 64, medians of 60, a loaded machine): 80 keys 0.5-0.9 ms a layer
+    either way (within the noise), 300 keys 2.9 against 3.3 ms, 1000 keys 42 against 80 ms.
     """
     batch, num_heads, head_dim = q.shape
     num_kv_heads = kv_layer.shape[3]

@@ -262,12 +262,17 @@ class LLMEngine:
             raise ValueError("this model has no recurrent state")
         return self.state_pool
 
+    def is_stop_token(self, token: int, sampling: SamplingParams) -> bool:
+        """Whether `token` ends a sequence sampled under `sampling` (the model's stop tokens or the
+        request's own, unless it ignores EOS); such a token is not part of the output."""
+        return not sampling.ignore_eos and (token in self.stop_token_ids or token in sampling.stop_token_ids)
+
     def _append(self, seq: Sequence, token: int) -> FinishReason | None:
         """Append a sampled token and finish (free) the sequence if it ended; a stop token is not kept."""
         seq.token_ids.append(token)
         p = seq.sampling
         reason: FinishReason | None = None
-        if not p.ignore_eos and (token in self.stop_token_ids or token in p.stop_token_ids):
+        if self.is_stop_token(token, p):
             reason = FinishReason.STOP
             seq.token_ids.pop()  # a stop token ends the text; it is not part of it (as in vLLM)
         elif seq.output_start_index + seq.num_output_tokens >= p.max_tokens:

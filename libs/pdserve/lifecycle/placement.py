@@ -89,19 +89,26 @@ async def place(
 ) -> DecodeAdmitted:
     """Reserve, prefill `prompt` and start decode from output index `start_index`; a transfer that
     fails verification is redone (fresh reservation and prefill) up to `max_prefill_attempts`, then
-    `PhaseFailed` (phase transfer). `timings` gets the UNIX seconds each step began."""
+    `PhaseFailed` (phase transfer). `timings` gets the UNIX seconds each step began, and "first_token"
+    when the first attempt's prefill worker streamed the first token itself. The first attempt's first
+    token is the request's: the client may already have it, so a retry streams none and decodes from it."""
     settings = ctx.settings
     max_tokens = ctx.submit.sampling.max_tokens - start_index
+    first: PrefillResult | None = None
     for attempt in range(1, settings.max_prefill_attempts + 1):
         timings["reserve"] = time.time()
         reservation = await _reserve(ctx, decision, len(prompt), max_tokens, prompt)
         timings["prefill"] = time.time()
-        result = await _prefill(ctx, decision, reservation, prompt)
+        result = await _prefill(ctx, decision, reservation, prompt, start_index, stream=first is None)
         timings["prefilled"] = time.time()
+        if first is None:
+            first = result
+            if result.first_token_ts:
+                timings["first_token"] = result.first_token_ts
         # a hybrid's state handoff, after the compute (PrefillResult.state_s): the TTFT's serial state part
         timings["state_sent"] = max(timings["prefill"], timings["prefilled"] - result.state_s)
         try:
-            admitted = await _start(ctx, decision, reservation, result, prompt, start_index)
+            admitted = await _start(ctx, decision, reservation, first, prompt, start_index)
             break
         except RejectedError as e:
             if e.code is not RejectCode.TRANSFER_FAILED:
@@ -178,7 +185,12 @@ async def _reserve(
 
 
 async def _prefill(
-    ctx: RequestContext, decision: RouteDecision, reservation: Reservation, prompt: tuple[int, ...]
+    ctx: RequestContext,
+    decision: RouteDecision,
+    reservation: Reservation,
+    prompt: tuple[int, ...],
+    start_index: int,
+    stream: bool,
 ) -> PrefillResult:
     worker = decision.prefill_worker_id
     ctx.enter(Phase.PREFILL, {worker, decision.decode_worker_id})
@@ -197,6 +209,8 @@ async def _prefill(
                     endpoint=reservation.endpoint,
                     decode_num_cached_tokens=reservation.num_cached_tokens,
                     cache_salt=ctx.submit.cache_salt,
+                    output_start_index=start_index,
+                    stream_first_token=stream,
                 ),
                 PrefillResult,
                 ctx.settings.prefill_timeout_s,

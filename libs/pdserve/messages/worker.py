@@ -61,6 +61,12 @@ class PrefillRequest(Message):
         0, ge=0, description="Reservation.num_cached_tokens: KV rows the decode worker already holds; the "
         "transfer carries rows decode_num_cached_tokens.. of the prompt, landing at row 0 of its buffers.")
     cache_salt: str | None = Field(None, description="Extra prefix-cache key (Submit.cache_salt).")
+    output_start_index: int = Field(0, ge=0, description="Index of the token this prefill samples in the "
+                                    "request's output (StartDecode.output_start_index).")
+    stream_first_token: bool = Field(
+        True, description="Publish the sampled token on pds.tokens.<request_id> at once, before any KV "
+        "transfer completes or decode starts (the client's first token; a stop token is never published). "
+        "False on a retry, whose first token is the first attempt's.")
 
 
 class PrefillOutcome(BaseModel):
@@ -82,6 +88,8 @@ class PrefillOutcome(BaseModel):
     prefill_s: float
     num_checkpoint_tokens: int = 0
     state_bytes: int = 0
+    first_token_ts: float = Field(0.0, description="UNIX seconds when the prefill worker published the first "
+                                  "token to the client; 0 when it did not (a stop token, or a retry).")
 
 
 class PrefillResult(Message, PrefillOutcome):

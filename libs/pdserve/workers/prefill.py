@@ -1,5 +1,5 @@
 """The prefill command of a worker: run the prompt through the engine (chunked, batched with whatever
-else runs) and return its first token.
+else runs), stream its first token to the client at once, and return it.
 
 On a prefill worker the prompt's KV rows that the decode worker lacks are streamed to it as each layer is
 computed (`kv_transfer_mode='layerwise'`) or all at once after the prefill (`'naive'`, the baseline);
@@ -23,7 +23,15 @@ from pdserve.config import KVTransferMode
 from pdserve.engine.llm_engine import CannotFit
 from pdserve.engine.sequence import Sequence, SequenceStatus
 from pdserve.events import PrefillCompleted, PrefillStarted
-from pdserve.messages import PrefillOutcome, PrefillRequest, PrefillResult, RejectCode, Role
+from pdserve.messages import (
+    PrefillOutcome,
+    PrefillRequest,
+    PrefillResult,
+    RejectCode,
+    Role,
+    TokenChunk,
+    TokenLogprobs,
+)
 from pdserve.workers.core import WorkerCore
 from pdserve.workers.kv_transfer import OutboundKV
 from pdserve.workers.state_transfer import send_state, state_bytes
@@ -101,6 +109,7 @@ class PrefillCommands:
                 propagate.inject(carrier)
                 state_send = asyncio.ensure_future(send_state(
                     core.transport, req.endpoint, req.transfer_id, done.state, carrier.get("traceparent")))
+            first_token_ts = await self._stream_first_token(req, first_token, first_logprobs)
             cached = seq.num_cached_tokens
             # A hybrid resumes from its state checkpoint C <= the KV hit L: it computed prompt - C tokens.
             resumed = seq.num_checkpoint_tokens if core.engine.state_pool is not None else cached
@@ -108,7 +117,7 @@ class PrefillCommands:
             outcome = PrefillOutcome(
                 transfer_id=req.transfer_id, first_token_id=first_token, num_cached_tokens=cached,
                 num_computed_tokens=num_prompt - resumed, prefill_s=prefill_s,
-                kv_bytes=outbound.kv_bytes if outbound is not None else 0,
+                kv_bytes=outbound.kv_bytes if outbound is not None else 0, first_token_ts=first_token_ts,
                 num_checkpoint_tokens=seq.num_checkpoint_tokens,
                 state_bytes=state_bytes(done.state) if state_send is not None else 0,
             )
@@ -129,3 +138,19 @@ class PrefillCommands:
                 outcome = outcome.model_copy(update={"kv_bytes": delivered})
         return PrefillResult(request_id=req.request_id, first_token_logprobs=first_logprobs, state_s=state_s,
                              **dict(outcome))
+
+    async def _stream_first_token(
+        self, req: PrefillRequest, token: int, logprobs: TokenLogprobs | None
+    ) -> float:
+        """Publish the prompt's sampled token to the client now, so the first token waits for neither the
+        KV transfer's tail nor the coordinator's start of decode; returns the UNIX seconds it left, 0.0 when
+        it is not published (a retry, or a stop token: the decode worker ends the stream on it). The decode
+        worker streams the same index again once it admits the sequence; the gateway keeps one of each
+        index (`ChunkReassembler`)."""
+        core = self.core
+        if not req.stream_first_token or core.engine.is_stop_token(token, req.sampling):
+            return 0.0
+        await core.bus.publish(core.bus.subjects.tokens(req.request_id), TokenChunk(
+            request_id=req.request_id, index=req.output_start_index, token_ids=(token,),
+            logprobs=(logprobs,) if logprobs is not None else None))
+        return time.time()
