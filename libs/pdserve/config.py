@@ -55,6 +55,11 @@ class CommonSettings(BaseSettings):
     model_config = SettingsConfigDict(env_prefix="PDS_", extra="ignore")
 
     nats_url: str = Field("nats://127.0.0.1:4222", description="NATS server with JetStream.")
+    nats_user: str | None = Field(
+        None, description="NATS user this process connects as (per-service users: pdserve.nats_auth).")
+    nats_password: str | None = Field(None, description="Its password (else read from nats_users_file).")
+    nats_users_file: Path | None = Field(
+        None, description="JSON {user: password} the stack generated (var/run/nats-users.json, mode 0600).")
     database_url: str = Field(
         "postgresql+asyncpg://postgres@127.0.0.1:5432/pdserve",
         description="Postgres event store (SQLAlchemy async URL). Only the recorder writes to it.",
@@ -70,6 +75,21 @@ class CommonSettings(BaseSettings):
     @property
     def trace_dir(self) -> Path:
         return self.var_dir / "traces"
+
+    def nats_credentials(self) -> dict[str, str]:
+        """`user` / `password` keyword arguments for `nats.connect`: none without `nats_user`. Raises
+        KeyError when the password is neither set nor in `nats_users_file`."""
+        if not self.nats_user:
+            return {}
+        password = self.nats_password
+        if password is None and self.nats_users_file is not None:
+            from pdserve.nats_auth import password_of
+
+            password = password_of(self.nats_user, self.nats_users_file)
+        if password is None:
+            raise KeyError(f"NATS user {self.nats_user!r} has no password: set PDS_NATS_PASSWORD or "
+                           "PDS_NATS_USERS_FILE")
+        return {"user": self.nats_user, "password": password}
 
 
 class ModelSettings(BaseSettings):

@@ -140,11 +140,14 @@ def _terminate(proc: subprocess.Popen) -> None:
             proc.wait()
 
 
-def start_nats(store_dir: Path, port: int | None = None, *, log_path: Path | None = None) -> EmbeddedServer:
+def start_nats(store_dir: Path, port: int | None = None, *, log_path: Path | None = None,
+               config_path: Path | None = None) -> EmbeddedServer:
     """Start nats-server with JetStream, storing streams under `store_dir`, listening on 127.0.0.1.
 
     `port=None` means 4222 when free, else a free port (the returned `note` says so). `log_path` defaults
-    to `store_dir/nats-server.log`. Blocks until the server answers (at most 15 s).
+    to `store_dir/nats-server.log`. `config_path`: a configuration file to load first (the per-service
+    users of `pdserve.nats_auth.write_server_config`); the flags still set address, port and JetStream.
+    Blocks until the server answers (at most 15 s).
     Raises EmbeddedServerError if the binary is missing or the server exits or stays silent.
     """
     store_dir = Path(store_dir).resolve()
@@ -159,7 +162,8 @@ def start_nats(store_dir: Path, port: int | None = None, *, log_path: Path | Non
             port = free_port()
             note = f"port {NATS_DEFAULT_PORT} is in use; embedded NATS listens on 127.0.0.1:{port}"
             log.warning(note)
-    cmd = [str(nats_server_binary()), "-a", "127.0.0.1", "-p", str(port), "-js", "-sd", str(store_dir)]
+    cmd = [str(nats_server_binary()), *(["-c", str(config_path)] if config_path else []),
+           "-a", "127.0.0.1", "-p", str(port), "-js", "-sd", str(store_dir)]
     with open(log_path, "ab") as out:
         proc = subprocess.Popen(
             cmd,

@@ -9,6 +9,8 @@ from __future__ import annotations
 from dataclasses import dataclass
 from pathlib import Path
 
+from sqlalchemy.engine import make_url
+
 from pdserve.config import ModelName
 from pdserve.engine.model_files import check_model_name, is_model_dir
 
@@ -46,17 +48,25 @@ class ServiceSpec:
     def is_worker(self) -> bool:
         return self.role in ("prefill", "decode", "unified")
 
+    @property
+    def database_role(self) -> str:
+        """The Postgres role this process connects as (migration 0004): only the recorder writes the
+        event store; the gateway also writes its api_keys; every other process only reads."""
+        return DATABASE_ROLES.get(self.role, "pdserve_reader")
+
     def environment(
         self, *, nats_url: str, database_url: str, model: str, var_dir: Path, gateway_port: int
     ) -> dict[str, str]:
         """The `PDS_*` variables this process starts with (on top of the caller's environment).
 
-        `PDS_PORT` goes to the gateway only: it is the HTTP port, and no other service has a fixed port
-        (metrics and KV transfer listeners bind port 0 and publish the real one).
+        `PDS_DATABASE_URL` is `database_url` as this process's role (`database_role`, no password: the
+        stack's Postgres authenticates by connection). `PDS_PORT` goes to the gateway only: it is the HTTP
+        port, and no other service has a fixed port (metrics and KV transfer listeners bind port 0 and
+        publish the real one).
         """
         env = {
             "PDS_NATS_URL": nats_url,
-            "PDS_DATABASE_URL": database_url,
+            "PDS_DATABASE_URL": role_url(database_url, self.database_role),
             "PDS_WORKER_ID": self.name,
             "PDS_ROLE": self.role,
             "PDS_MODEL": model,
@@ -65,6 +75,14 @@ class ServiceSpec:
         if self.role == "gateway":
             env["PDS_PORT"] = str(gateway_port)
         return env
+
+
+DATABASE_ROLES = {"recorder": "pdserve_recorder", "gateway": "pdserve_gateway"}
+
+
+def role_url(database_url: str, role: str) -> str:
+    """`database_url` (a SQLAlchemy URL) connecting as `role`, without the admin's password."""
+    return make_url(database_url).set(username=role, password=None).render_as_string(hide_password=False)
 
 
 def _service(kind: str) -> ServiceSpec:

@@ -11,6 +11,7 @@ from pathlib import Path
 
 from pydantic import BaseModel, Field
 
+from pdserve.nats_auth import ADMIN, password_of
 from pdserve.process import ProcessRef
 
 
@@ -54,6 +55,8 @@ class StackState(BaseModel):
     model: str
     var_dir: str
     nats_url: str = ""
+    nats_users_file: str = Field("", description="The per-service NATS users (pdserve.nats_auth), when the "
+                                 "supervisor's embedded NATS requires them; empty otherwise.")
     database_url: str = ""
     gateway_url: str
     phase: str = "starting"
@@ -65,6 +68,12 @@ class StackState(BaseModel):
     @property
     def supervisor(self) -> ProcessRef:
         return ProcessRef(self.supervisor_pid, self.supervisor_create_time)
+
+    def nats_admin_credentials(self) -> dict[str, str]:
+        """`user` / `password` for `nats.connect` as the stack's admin (the CLI); none when NATS is open."""
+        if not self.nats_users_file:
+            return {}
+        return {"user": ADMIN, "password": password_of(ADMIN, Path(self.nats_users_file))}
 
 
 def state_path(var_dir: Path) -> Path:

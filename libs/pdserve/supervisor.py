@@ -2,11 +2,13 @@
 
     python -m pdserve.supervisor --mode disaggregated --model smollm2 --prefill 1 --decode 1 --port 8000
 
-Order: NATS (PDS_NATS_URL, else embedded) → Postgres (PDS_DATABASE_URL, else embedded, database
-`pdserve`) → create the database if absent + Alembic upgrade → every process of `service_plan` as a child,
-output to var/log/<name>.log. A child that dies is restarted with exponential backoff. SIGTERM/SIGINT stop
-the children (gateway first, recorder last so it drains the events the others wrote), then the embedded
-servers. The state lives in var/run/stack.json for `pdserve status|down|logs`.
+Order: NATS (PDS_NATS_URL, else embedded, with one user per process: pdserve.nats_auth) → Postgres
+(PDS_DATABASE_URL, else embedded, database `pdserve`) → create the database if absent + Alembic upgrade
+(which grants the services' database roles) → every process of `service_plan` as a child, each with its
+NATS user and database role, output to var/log/<name>.log. A child that dies is restarted with
+exponential backoff. SIGTERM/SIGINT stop the children (gateway first, recorder last so it drains the
+events the others wrote), then the embedded servers. The state lives in var/run/stack.json for
+`pdserve status|down|logs`.
 """
 
 from __future__ import annotations
@@ -23,7 +25,9 @@ from pathlib import Path
 import psutil
 from sqlalchemy.engine import make_url
 
+from pdserve.config import CommonSettings
 from pdserve.embedded import EmbeddedServer, start_nats, start_postgres
+from pdserve.nats_auth import stack_users, write_server_config, write_users
 from pdserve.process import ProcessRef, child_dies_with_parent
 from pdserve.service_plan import MODES, ServiceSpec, model_arg, service_plan
 from pdserve.stack_state import ServerState, ServiceState, StackState, remove_state, write_state
@@ -123,9 +127,11 @@ class Supervisor:
         nats_url = os.environ.get("PDS_NATS_URL")
         if not nats_url:
             self.save(phase="starting nats")
+            config = self.write_nats_users()
             # Not in a thread: the kernel's parent-death signal (PR_SET_PDEATHSIG) follows the *thread*
             # that forked, and an executor thread may exit long before this process does.
-            nats = start_nats(self.var_dir / "nats", log_path=self.var_dir / "log" / "nats.log")
+            nats = start_nats(self.var_dir / "nats", log_path=self.var_dir / "log" / "nats.log",
+                              config_path=config)
             self.adopt(nats)
             nats_url = nats.url
         self.save(nats_url=nats_url)
@@ -138,6 +144,19 @@ class Supervisor:
         self.save(phase="migrating")
         await asyncio.to_thread(prepare_database, database_url)
         self.save(database_url=database_url)
+
+    def write_nats_users(self) -> Path:
+        """Fresh per-service NATS users for the embedded server (pdserve.nats_auth): their passwords in
+        var/run/nats-users.json, the server's authorization in var/run/nats-auth.conf (both 0600). Returns
+        the configuration's path."""
+        prefix = CommonSettings().subject_prefix
+        users = stack_users([(s.name, s.role) for s in self.plan], prefix)
+        users_file = self.var_dir / "run" / "nats-users.json"
+        config = self.var_dir / "run" / "nats-auth.conf"
+        write_users(users_file, users)
+        write_server_config(config, users)
+        self.save(nats_users_file=str(users_file))
+        return config
 
     def adopt(self, server: EmbeddedServer) -> None:
         self.servers.append(server)
@@ -172,6 +191,8 @@ class Supervisor:
                 gateway_port=self.port,
             ),
         }
+        if self.state.nats_users_file:  # the service reads its own password from the file, not from env
+            env |= {"PDS_NATS_USER": spec.name, "PDS_NATS_USERS_FILE": self.state.nats_users_file}
         failures = 0
         while not self.stopping.is_set():
             with open(log_path, "ab") as out:

@@ -14,6 +14,7 @@ from pdserve.events import TERMINAL_TYPES, Event
 from pdserve.messages import Heartbeat, KVDigest, KVEvents, RouteDecision, RouteRequest
 from pdserve.routing.router import Placer
 from pdserve.service import run_service
+from pdserve.telemetry import metrics
 
 tracer = trace.get_tracer("pdserve.router")
 log = logging.getLogger("pdserve.router")
@@ -21,6 +22,7 @@ log = logging.getLogger("pdserve.router")
 
 async def setup(bus: Bus, settings: RouterSettings):
     placer = Placer(settings)
+    metrics.init_router_series()
 
     async def on_heartbeat(hb: Heartbeat) -> None:
         if (report := placer.observe_heartbeat(hb)) is not None:

@@ -33,6 +33,7 @@ class Stack:
         self.port = free_port()
         self.url = f"http://127.0.0.1:{self.port}"
         self.procs: dict[str, subprocess.Popen] = {}
+        self.nats_credentials: dict[str, str] = {}  # user / password, when the server requires them
 
     def env(self, spec: ServiceSpec) -> dict[str, str]:
         env = dict(os.environ)
@@ -77,7 +78,8 @@ class Stack:
                 # In a thread of its own: `heartbeating` runs its own event loop, and async tests call this
                 # with theirs running.
                 with concurrent.futures.ThreadPoolExecutor(1) as pool:
-                    heard = pool.submit(heartbeating, self.settings.nats_url, subjects, workers).result()
+                    heard = pool.submit(heartbeating, self.settings.nats_url, subjects, workers,
+                                        credentials=self.nats_credentials).result()
                 if heard < workers:
                     last = f"no heartbeat yet from {sorted(workers - heard)}"
                     continue

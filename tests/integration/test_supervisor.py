@@ -21,8 +21,9 @@ import psutil
 import pytest
 from sqlalchemy.engine import make_url
 
+from pdserve.nats_auth import read_users
 from pdserve.process import is_alive
-from pdserve.service_plan import ServiceSpec
+from pdserve.service_plan import ServiceSpec, role_url
 from pdserve.stack_state import StackState, read_state, state_path
 from pdserve.supervisor import Supervisor, parse_args
 
@@ -135,9 +136,12 @@ async def test_supervisor_runs_embedded_servers_migrates_restarts_a_dead_child_a
     seen: dict[str, set[str]] = {}
 
     async def while_running(state: StackState) -> None:
-        nc = await nats.connect(state.nats_url)
+        nc = await nats.connect(state.nats_url, **state.nats_admin_credentials())
         await nc.jetstream().account_info()  # JetStream is on
         await nc.close()
+        with pytest.raises(Exception):  # noqa: B017 (nats-py raises its last connect error, whichever)
+            await nats.connect(state.nats_url, max_reconnect_attempts=0, allow_reconnect=False,
+                               connect_timeout=2)  # no user: refused
         seen["tables"] = await table_names(state.database_url)
 
     state, runs = await run_stack(var_dir, stand_in, while_running)
@@ -148,9 +152,14 @@ async def test_supervisor_runs_embedded_servers_migrates_restarts_a_dead_child_a
     assert [len(r) for r in runs.values()] == [2, 2]
     decode_env = runs["decode-0"][1]
     assert decode_env["PDS_WORKER_ID"] == "decode-0" and decode_env["PDS_ROLE"] == "decode"
-    assert (
-        decode_env["PDS_NATS_URL"] == state.nats_url and decode_env["PDS_DATABASE_URL"] == state.database_url
-    )
+    assert decode_env["PDS_NATS_URL"] == state.nats_url
+    assert decode_env["PDS_DATABASE_URL"] == role_url(state.database_url, "pdserve_reader")
+    assert runs["gateway"][1]["PDS_DATABASE_URL"] == role_url(state.database_url, "pdserve_gateway")
+    # Each process connects as its own NATS user; its password is in the 0600 users file, not in its env.
+    users_file = Path(state.nats_users_file)
+    assert (decode_env["PDS_NATS_USER"], decode_env["PDS_NATS_USERS_FILE"]) == ("decode-0", str(users_file))
+    assert "PDS_NATS_PASSWORD" not in decode_env and users_file.stat().st_mode & 0o777 == 0o600
+    assert set(read_users(users_file)) == {"admin", "decode-0", "gateway"}
     assert decode_env["PDS_MODEL"] == "tiny" and Path(decode_env["PDS_VAR_DIR"]) == var_dir.resolve()
     assert "PDS_PORT" not in decode_env and runs["gateway"][1]["PDS_PORT"] == "18123"
     assert (var_dir / "log" / "decode-0.log").exists()
@@ -179,7 +188,8 @@ async def test_supervisor_uses_given_servers_and_creates_the_database_if_absent(
     state, runs = await run_stack(tmp_path / "var", stand_in[:1])
     assert state.servers == {}
     assert state.nats_url == nats_url and state.database_url == database_url
-    assert runs["decode-0"][1]["PDS_DATABASE_URL"] == database_url
+    assert runs["decode-0"][1]["PDS_DATABASE_URL"] == role_url(database_url, "pdserve_reader")
+    assert "PDS_NATS_USER" not in runs["decode-0"][1] and not state.nats_users_file  # a given NATS: as is
     assert "alembic_version" in await table_names(database_url)  # migrated, not just created
     nc = await nats.connect(nats_url)  # the given server is left running
     await nc.close()

@@ -113,4 +113,8 @@ def test_prometheus_scrapes_every_pdserve_container(compose: dict[str, Any]) -> 
     job = next(j for j in scrape["scrape_configs"] if j["job_name"] == "pdserve")
     targets = {t for group in job["static_configs"] for t in group["targets"]}
     port = compose["x-pdserve-env"]["PDS_METRICS_PORT"]
-    assert targets == {f"{name}:{port}" for name in pdserve_processes(compose["services"])}
+    processes = pdserve_processes(compose["services"])
+    # The gateway serves /metrics on its HTTP port (the app route); the others on PDS_METRICS_PORT.
+    expected = {f"{name}:{svc['environment']['PDS_PORT'] if name == 'gateway' else port}"
+                for name, svc in processes.items()}
+    assert targets == expected

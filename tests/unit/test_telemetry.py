@@ -170,3 +170,17 @@ def test_metrics_server_on_a_free_port_exposes_pdserve_metrics() -> None:
                  "checksum_failures_total counter", "admission_deferred_total counter",
                  "events_recorder_lag_seconds gauge"):
         assert f"# TYPE pdserve:{name}\n" in text
+
+
+# What Prometheus 2.x sends when it scrapes: OpenMetrics first.
+PROMETHEUS_ACCEPT = ("application/openmetrics-text;version=1.0.0,application/openmetrics-text;version=0.0.1;"
+                     "q=0.75,text/plain;version=0.0.4;q=0.5,*/*;q=0.1")
+
+
+def test_metrics_server_keeps_the_pdserve_prefix_for_a_prometheus_scrape() -> None:
+    port = metrics.start_metrics_server(0, addr="127.0.0.1")
+    metrics.CHECKSUM_FAILURES.labels(worker_id="decode-scraped").inc()
+    url = f"http://127.0.0.1:{port}/metrics"
+    text = httpx.get(url, headers={"Accept": PROMETHEUS_ACCEPT}, timeout=5).text
+    assert 'pdserve:checksum_failures_total{worker_id="decode-scraped"} 1.0' in text
+    assert "pdserve_" not in text

@@ -82,7 +82,7 @@ def emit_request(stack: Stack, rid: str, layers: int, bad_layer: int | None = No
                     for layer in range(layers):
                         start = t + 10 + layer * 4
                         stack.leaf("prefill", "transfer.send", start, start + 2, fwd, **r, **{
-                            "pdserve.layer": layer, "pdserve.kv_bytes": 24576})
+                            "pdserve.layer": layer, "pdserve.bytes": 24576})
                         stack.leaf("decode", "transfer.verify_checksum", start + 2, start + 3, fwd, **r, **{
                             "pdserve.layer": layer, "pdserve.checksum_ok": layer != bad_layer})
             with stack.span("coordinator", "coordinator.start_decode", t + 50, t + 52, co, **r) as sd:
@@ -263,7 +263,7 @@ def test_checksum_verifications_under_collapsed_sends_stay_visible_as_their_own_
     with stack.span("prefill", "prefill.forward", 0, 40, **r) as fwd:
         for layer in range(6):
             with stack.span("prefill", "transfer.send", layer * 5, layer * 5 + 2, fwd, **r,
-                            **{"pdserve.layer": layer, "pdserve.kv_bytes": 100}) as send:
+                            **{"pdserve.layer": layer, "pdserve.bytes": 100}) as send:
                 stack.leaf("decode", "transfer.verify_checksum", layer * 5 + 2, layer * 5 + 3, send, **r,
                            **{"pdserve.layer": layer, "pdserve.checksum_ok": True})
     stack.flush()

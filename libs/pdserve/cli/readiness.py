@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 import asyncio
-from collections.abc import Collection
+from collections.abc import Collection, Mapping
 
 import nats
 
@@ -11,16 +11,19 @@ from pdserve.messages import Subjects
 
 
 def heartbeating(
-    nats_url: str, subjects: Subjects, worker_ids: Collection[str], window_s: float = 1.5
+    nats_url: str, subjects: Subjects, worker_ids: Collection[str], window_s: float = 1.5,
+    credentials: Mapping[str, str] | None = None,
 ) -> set[str]:
     """The ids among `worker_ids` whose heartbeat (`subjects.heartbeat(id)`) arrives within `window_s`
-    seconds; workers beat every `heartbeat_interval_s` (0.5 s by default). Empty when NATS does not answer."""
+    seconds; workers beat every `heartbeat_interval_s` (0.5 s by default). Empty when NATS does not answer.
+    `credentials`: `user` / `password` when the server requires them (`StackState.nats_admin_credentials`)."""
 
     async def listen() -> set[str]:
         heard: set[str] = set()
         try:
             nc = await asyncio.wait_for(  # nats-py retries a refused first connect on its own
-                nats.connect(nats_url, connect_timeout=1, max_reconnect_attempts=0, allow_reconnect=False),
+                nats.connect(nats_url, connect_timeout=1, max_reconnect_attempts=0, allow_reconnect=False,
+                             **(credentials or {})),
                 timeout=window_s,
             )
         except Exception:  # not up yet (or gone): nobody heard

@@ -124,7 +124,8 @@ def _wait_until_serving(proc: subprocess.Popen, var_dir: Path, supervisor_log: P
                     spinner.update(f"waiting for {len(workers)} workers' heartbeats "
                                    f"({time.monotonic() - started:.0f} s)")
                     subjects = Subjects(CommonSettings().subject_prefix)
-                    if heartbeating(state.nats_url, subjects, workers) >= workers:
+                    credentials = state.nats_admin_credentials()
+                    if heartbeating(state.nats_url, subjects, workers, credentials=credentials) >= workers:
                         break
             time.sleep(0.5)
         else:

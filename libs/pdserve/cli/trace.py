@@ -1,6 +1,8 @@
-"""`pdserve trace <request_id>`: one request's waterfall in the terminal, from the JSON-lines spans every
-process writes under `<var_dir>/traces/` (docs/architecture.md §8), then its TTFT breakdown, services and
-trace id."""
+"""`pdserve trace <request_id>`: one request's waterfall in the terminal, then its TTFT breakdown, services
+and trace id. Spans come from a collector's storage when one is named (`--otlp-file` or
+`$PDS_OTLP_TRACES_FILE`: OTLP/JSON lines, as the OTel Collector's file exporter and
+observability/rotel_file_processor.py write them), else from the JSON-lines files every process writes
+under `<var_dir>/traces/` (docs/architecture.md §8)."""
 
 from __future__ import annotations
 
@@ -15,6 +17,7 @@ from rich.text import Text
 
 from pdserve.cli.output import make_console
 from pdserve.ids import request_id_of
+from pdserve.telemetry.otlp_json import load_otlp_json
 from pdserve.telemetry.spans import SpanRecord, load_spans, services_seen, spans_of_request, trace_ids
 from pdserve.telemetry.waterfall import Waterfall, WaterfallRow, bar_cells, build_tree, layout, ttft_breakdown
 
@@ -29,6 +32,9 @@ def add_parsers(subparsers: argparse._SubParsersAction) -> None:
     p.add_argument("--var-dir", type=Path, default=None,
                    help="Folder holding traces/ (default: $PDS_VAR_DIR, else ./var; a var/run/stack.json "
                         "written by `pdserve up` that names another var_dir wins over the default).")
+    p.add_argument("--otlp-file", type=Path, default=os.environ.get("PDS_OTLP_TRACES_FILE") or None,
+                   help="A collector's OTLP/JSON lines file or folder to read instead of var/traces "
+                        "(default: $PDS_OTLP_TRACES_FILE).")
     p.add_argument("--width", type=int, default=48, help="Columns of the time axis (default 48).")
     p.set_defaults(func=run)
 
@@ -79,6 +85,9 @@ def _label(row: WaterfallRow) -> Text:
     text.append(row.name, style="bold red" if row.error else "")
     if row.orphan:
         text.append(" (parent span missing)", style="yellow")
+    if row.span is not None and row.span.links:
+        n = len(row.span.links)
+        text.append(f" (linked to {n} earlier span{'s' if n > 1 else ''})", style="dim")
     return text
 
 
@@ -121,13 +130,15 @@ def _render_ttft(console: Console, spans: list[SpanRecord]) -> None:
 def run(args: argparse.Namespace, console: Console | None = None) -> int:
     """Print the waterfall of `args.request_id`. Returns 0, or 1 when no span carries that id."""
     console = console or make_console()
-    trace_dir = resolve_var_dir(args.var_dir) / "traces"
-    loaded = load_spans(trace_dir)
+    otlp_file = getattr(args, "otlp_file", None)
+    trace_dir = Path(otlp_file) if otlp_file else resolve_var_dir(args.var_dir) / "traces"
+    loaded = load_otlp_json(trace_dir) if otlp_file else load_spans(trace_dir)
     spans = spans_of_request(loaded.spans, args.request_id)
     if not spans:
         console.print(f"[red]no span with pdserve.request_id = {args.request_id}[/red] in {trace_dir} "
                       f"({len(loaded.spans)} spans in {loaded.files} files). Spans are written ~0.5 s after "
-                      "they end; with OTEL_EXPORTER_OTLP_ENDPOINT set they go to the collector instead.")
+                      "they end; with OTEL_EXPORTER_OTLP_ENDPOINT set they go to the collector instead "
+                      "(--otlp-file reads its storage).")
         return 1
     _render_waterfall(console, layout(build_tree(spans)), args.width)
     _render_ttft(console, spans)

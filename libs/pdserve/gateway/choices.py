@@ -141,4 +141,5 @@ class Choices:
                 self._on_finish(gen.request_id)
             observer.finish(num_output_tokens=gen.num_output_tokens,
                             first_token_monotonic=gen.first_token_monotonic, finish_reason=gen.finish_reason,
+                            last_token_monotonic=gen.last_token_monotonic, inter_token_s=gen.inter_token_s,
                             error_status=status, error=error)

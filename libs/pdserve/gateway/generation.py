@@ -80,6 +80,8 @@ class Generation:
         self.gap_timeout_s = gap_timeout_s
         self.num_output_tokens = 0
         self.first_token_monotonic: float | None = None
+        self.last_token_monotonic: float | None = None
+        self.inter_token_s: list[float] = []  # the gap before each output token after the first (ITL)
         self.finish_reason: FinishReason | None = None
         self._tokenizer = tokenizer
         self._queue: asyncio.Queue[TokenChunk | object] = asyncio.Queue()
@@ -141,8 +143,15 @@ class Generation:
         while True:
             chunk = await self._next_chunk(gap_deadline)
             ready = reassembler.push(chunk)
-            if ready.token_ids and self.first_token_monotonic is None:
-                self.first_token_monotonic = time.monotonic()
+            if ready.token_ids:
+                now = time.monotonic()
+                if self.first_token_monotonic is None:
+                    self.first_token_monotonic = now
+                else:  # tokens that arrive together share the gap since the last ones
+                    assert self.last_token_monotonic is not None
+                    gap = (now - self.last_token_monotonic) / len(ready.token_ids)
+                    self.inter_token_s += [gap] * len(ready.token_ids)
+                self.last_token_monotonic = now
             # one token at a time, so the usage counts stop at a stop string
             for i, token_id in enumerate(ready.token_ids):
                 self.num_output_tokens += 1

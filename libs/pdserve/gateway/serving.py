@@ -72,7 +72,7 @@ async def generate(request: Request, endpoint: Endpoint) -> Response:
         sampling = prepared.sampling.model_copy(update={"seed": choice_seed(prepared.sampling.seed, i)})
         choice = PreparedRequest(prepared.prompt_token_ids, sampling, prepared.stop)
         observers.append(RequestObserver(request_id, model, endpoint.path, len(prepared.prompt_token_ids),
-                                         sampling.max_tokens, req.stream, received_monotonic))
+                                         sampling.max_tokens, req.stream, received_monotonic, sampling))
         gens.append(Generation(state.bus, state.tokenizer, request_id=request_id, model=model,
                                endpoint=endpoint.path, prepared=choice, stream=req.stream,
                                received_ts=received_ts, timeout_s=state.settings.request_timeout_s,

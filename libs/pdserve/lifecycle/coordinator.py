@@ -96,7 +96,7 @@ class Coordinator:
         metrics.ADMISSION_QUEUE_LENGTH.set_function(lambda: self.num_waiting)  # read at each scrape
         await self.liveness.start()
         s = self.bus.subjects
-        await self.bus.serve(s.finished, DecodeFinished, self.finished)
+        await self.bus.serve(s.finished(), DecodeFinished, self.finished)
         await self.bus.serve(s.abort, Abort, self.abort)
         await self.bus.serve(s.submit, Submit, self.submit, queue="coordinator")
         if self.settings.recover_on_start and self.db is not None:

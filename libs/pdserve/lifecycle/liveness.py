@@ -13,7 +13,8 @@ import time
 from collections.abc import Callable
 
 from pdserve.bus import Bus
-from pdserve.messages import Heartbeat
+from pdserve.messages import Heartbeat, Role
+from pdserve.telemetry import metrics
 
 
 class WorkerLiveness:
@@ -39,6 +40,8 @@ class WorkerLiveness:
             self._sub = None
 
     async def _observe(self, hb: Heartbeat) -> None:
+        if hb.worker_id not in self._last_seen and hb.role is not Role.PREFILL:
+            metrics.ADMISSION_DEFERRED.labels(worker_id=hb.worker_id)  # the series exists, at 0
         self._last_seen[hb.worker_id] = time.monotonic()
 
     def silent_s(self, worker_id: str) -> float:

@@ -26,6 +26,8 @@ from __future__ import annotations
 import asyncio
 import logging
 import time
+from collections.abc import Iterator
+from contextlib import contextmanager
 from dataclasses import dataclass, field
 
 from opentelemetry import trace
@@ -94,6 +96,7 @@ class RequestLifecycle:
         self.decode_worker: str | None = None
         self.finished: asyncio.Future[DecodeFinished] = asyncio.get_running_loop().create_future()
         self.handed_off = False
+        self._last_attempt: trace.SpanContext | None = None
         if resume:
             ctx.holders |= set(resume.holders)
             ctx.awaiting_admission = False  # admitted by the coordinator that accepted it
@@ -143,7 +146,8 @@ class RequestLifecycle:
         ):
             self.decode_worker = resume.decode_worker_id
             try:
-                done = await self._decode(stall_s=self.settings.recovery_stall_s)
+                with self._attempt_span():
+                    done = await self._decode(stall_s=self.settings.recovery_stall_s)
             except WorkerLost as e:
                 await self._migrate(e)
         elif resume is not None:
@@ -151,13 +155,25 @@ class RequestLifecycle:
             await self.ctx.release_all()
         while done is None:
             try:
-                done = await self._run_once()
+                with self._attempt_span():
+                    done = await self._run_once()
             except WorkerLost as e:
                 await self._migrate(e)
         first = self.first
         await emit_completed(
             self.bus, self.submit, done, first.admitted if first else None, first.timings if first else {}
         )
+
+    @contextmanager
+    def _attempt_span(self) -> Iterator[trace.Span]:
+        """`coordinator.attempt`: one placement of the request (the first, then one per migration), linked
+        to the attempt it retries, so a migrated request's trace shows which attempt replaced which."""
+        links = [trace.Link(self._last_attempt, {"pdserve.link": "retry_of"})] if self._last_attempt else []
+        with tracer.start_as_current_span("coordinator.attempt", links=links, attributes={
+            "pdserve.request_id": self.request_id, "pdserve.attempt": self.migrations,
+        }) as span:
+            self._last_attempt = span.get_span_context()
+            yield span
 
     async def _run_once(self) -> DecodeFinished:
         """One placement: route → reserve → prefill → start → decode, from the committed tokens on."""

@@ -10,7 +10,7 @@ Subjects (prefix `pds` by default, configurable so tests can share a server):
 |----------------------------------|------------------|-------------------|-------------------------|
 | pds.coord.submit                 | Submit           | Accepted          | gateway → coordinator   |
 | pds.coord.abort                  | Abort            | Ack               | gateway → coordinator   |
-| pds.coord.finished               | DecodeFinished   | Ack               | decode → coordinator    |
+| pds.worker.<id>.finished         | DecodeFinished   | Ack               | decode → coordinator    |
 | pds.router.route                 | RouteRequest     | RouteDecision     | coordinator → router    |
 | pds.worker.<id>.reserve          | ReserveRequest   | Reservation       | coordinator → decode    |
 | pds.worker.<id>.prefill          | PrefillRequest   | PrefillResult     | coordinator → prefill   |

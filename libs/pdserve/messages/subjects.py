@@ -19,9 +19,10 @@ class Subjects:
     def abort(self) -> str:
         return f"{self.prefix}.coord.abort"
 
-    @property
-    def finished(self) -> str:
-        return f"{self.prefix}.coord.finished"
+    def finished(self, worker_id: str = "*") -> str:
+        """A decode worker's DecodeFinished reports, under its own subjects: a worker publishes nothing under
+        `coord.` (docs/architecture.md §9)."""
+        return f"{self.prefix}.worker.{worker_id}.finished"
 
     @property
     def route(self) -> str:

@@ -205,7 +205,7 @@ class Placer:
         reason: str = "policy",
     ) -> RouteDecision:
         """The decision, booked in the router's load and counted in `pdserve:router_placements` (`reason`:
-        see there)."""
+        see there), `pdserve:router_prompt_tokens` and `pdserve:router_ceiling_cached_tokens`."""
         bs = desc.block_size
         # Each group scored on its own (the prefill candidates among themselves, as the policy chose).
         costs = [
@@ -215,6 +215,9 @@ class Placer:
             req.request_id, prefill.worker_id, prefill.uncached_blocks, decode.worker_id, decode.prompt_blocks
         )
         metrics.ROUTER_PLACEMENTS.labels(mode=mode, reason=reason).inc()
+        metrics.ROUTER_PROMPT_TOKENS.labels(worker_id=prefill.worker_id).inc(req.num_prompt_tokens)
+        metrics.ROUTER_CEILING_CACHED_TOKENS.labels(worker_id=prefill.worker_id).inc(
+            max(c.cached_blocks for c in ceiling) * bs)
         return RouteDecision(
             request_id=req.request_id,
             mode=mode,

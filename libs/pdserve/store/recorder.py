@@ -43,6 +43,8 @@ from sqlalchemy.ext.asyncio import AsyncConnection, AsyncEngine
 
 from pdserve.bus import Bus
 from pdserve.config import RecorderSettings
+from pdserve.events import Event
+from pdserve.store import event_metrics
 from pdserve.store.batch import Batch, prepare
 from pdserve.store.pull import BatchPuller
 from pdserve.store.rows import insert_events, insert_new_events, project
@@ -116,6 +118,7 @@ class Recorder:
         requests' rows only once N has committed (`_write`), so commits, projections and acks stay in
         batch order."""
         await self._ensure_consumer()
+        event_metrics.init_series()
         puller = BatchPuller(self.bus.nc, self.settings.events_stream, self.durable, self.settings.batch_size)
         await puller.start()
         committing: list[asyncio.Future[bool]] = []  # at most two batches in flight, oldest first
@@ -254,12 +257,12 @@ class Recorder:
             pg = await self._driver(slot)
             try:
                 async with pg.transaction():
-                    n_new = await self._insert_and_project(pg, batch, insert_events, after)
+                    new = await self._insert_and_project(pg, batch, insert_events, after)
             except asyncpg.UniqueViolationError as e:  # some already stored: again, skipping those
                 if e.constraint_name != EVENTS_PKEY:
                     raise
                 async with pg.transaction():
-                    n_new = await self._insert_and_project(pg, batch, insert_new_events, after)
+                    new = await self._insert_and_project(pg, batch, insert_new_events, after)
         except _Stopped:
             return None
         except _DB_DOWN:
@@ -267,20 +270,22 @@ class Recorder:
             raise
         await self._settle(batch.good, ACK)
         await self._settle(batch.bad, TERM)
-        EVENTS_RECORDED.inc(n_new)
+        EVENTS_RECORDED.inc(len(new))
         EVENTS_REJECTED.inc(len(batch.bad))
-        return n_new
+        event_metrics.observe(e for _, e in new)
+        return len(new)
 
     async def _insert_and_project(self, pg: asyncpg.Connection, batch: Batch, insert: Inserter,
-                                  after: asyncio.Future[bool] | None) -> int:
+                                  after: asyncio.Future[bool] | None) -> list[tuple[int, Event]]:
         """Insert the batch's events with `insert`; once `after` has committed, fold those inserted into
-        their requests' rows. The number inserted. Raises `_Stopped` if `after` did not commit."""
+        their requests' rows. Those inserted, (stream seq, event) in stream order. Raises `_Stopped` if
+        `after` did not commit."""
         inserted = await insert(pg, batch.records)
         if after is not None and not await after:
             raise _Stopped
         new = sorted((se for se in batch.events.values() if se[0] in inserted), key=lambda se: se[0])
         await project(pg, new)
-        return len(new)
+        return new
 
     async def _settle(self, msgs: list[Msg], how: bytes) -> None:
         """Ack, nak, term or mark in progress each message: one publish to its reply subject (what

@@ -8,6 +8,7 @@ One line = one span:
      "name": str, "service": str (resource service.name, e.g. "pdserve-gateway"),
      "start_unix_ns": int, "end_unix_ns": int, "attributes": {str: value},
      "events": [{"name": str, "unix_ns": int, "attributes": {...}}],
+     "links": [{"trace_id": "<32 hex>", "span_id": "<16 hex>", "attributes": {...}}],
      "status": {"code": "UNSET" | "OK" | "ERROR", "description": str | null}}
 
 Each process writes its own file, so lines never interleave across processes; within a process the
@@ -49,6 +50,11 @@ def span_to_record(span: ReadableSpan) -> dict[str, Any]:
         "events": [
             {"name": ev.name, "unix_ns": ev.timestamp, "attributes": _attributes(ev.attributes)}
             for ev in span.events
+        ],
+        "links": [
+            {"trace_id": f"{link.context.trace_id:032x}", "span_id": f"{link.context.span_id:016x}",
+             "attributes": _attributes(link.attributes)}
+            for link in span.links
         ],
         "status": {"code": span.status.status_code.name, "description": span.status.description},
     }

@@ -11,7 +11,12 @@ latencies measured at the edge. Use: `metrics.NUM_REQUESTS_RUNNING.labels(worker
 
 from __future__ import annotations
 
-from prometheus_client import Counter, Gauge, Histogram, start_http_server
+import threading
+from collections.abc import Callable
+from wsgiref.simple_server import WSGIRequestHandler, make_server
+
+from prometheus_client import Counter, Gauge, Histogram, make_wsgi_app
+from prometheus_client.exposition import ThreadingWSGIServer
 
 # vLLM's buckets for TTFT, for TPOT/ITL, and for request latencies (vllm/v1/metrics/loggers.py).
 TTFT_BUCKETS_S = (0.001, 0.005, 0.01, 0.02, 0.04, 0.06, 0.08, 0.1, 0.25, 0.5, 0.75, 1.0, 2.5, 5.0, 7.5,
@@ -50,6 +55,10 @@ INTER_TOKEN_LATENCY_SECONDS = Histogram(
 E2E_REQUEST_LATENCY_SECONDS = Histogram(
     "pdserve:e2e_request_latency_seconds", "End-to-end request latency (E2EL), seconds.", MODEL,
     buckets=REQUEST_LATENCY_BUCKETS_S)
+TIME_PER_OUTPUT_TOKEN_SECONDS = Histogram(
+    "pdserve:request_time_per_output_token_seconds",
+    "Time per output token (TPOT) of each finished request: (last - first token) / (output tokens - 1).",
+    MODEL, buckets=ITL_BUCKETS_S)
 
 # ---------------------------------------------------------------- what only pdserve has
 KV_TRANSFER_BYTES = Counter(
@@ -72,13 +81,72 @@ ADMISSION_DEFERRED = Counter(
 ADMISSION_QUEUE_LENGTH = Gauge(
     "pdserve:admission_queue_length",
     "Requests the coordinator accepted that hold no decode reservation yet (at most max_waiting_requests).")
+ROUTER_PROMPT_TOKENS = Counter(
+    "pdserve:router_prompt_tokens", "Prompt tokens the router placed, by the worker chosen to prefill.",
+    WORKER)
+ROUTER_CEILING_CACHED_TOKENS = Counter(
+    "pdserve:router_ceiling_cached_tokens",
+    "The perfect-router ceiling: of each placed prompt, the most cached tokens any candidate held, by the "
+    "worker chosen to prefill (beside that worker's prefix_cache_hits / prefix_cache_queries).", WORKER)
+
+# ---------------------------------------------------------------- from the event log (the recorder)
+# Counted once, by the recorder, from the events it commits (pdserve.store.event_metrics): what the
+# dashboards show is what the event log holds, whichever process emitted the event.
+TTFT_PHASE_SECONDS = Histogram(
+    "pdserve:ttft_phase_seconds",
+    "Each completed request's TTFT by phase (queue, route, reserve, prefill, exposed_transfer, "
+    "first_token), as the coordinator measured it (RequestCompleted.ttft).", ("phase",),
+    buckets=TTFT_BUCKETS_S)
+REQUEST_OUTCOMES = Counter(
+    "pdserve:request_outcomes",
+    "Lifecycle outcomes: completed (reason = finish reason), failed (reason = phase), aborted, migrated "
+    "(reason = phase; a request may migrate more than once) and recovered (reason = recovery action).",
+    ("outcome", "reason"))
 EVENTS_RECORDER_LAG_SECONDS = Gauge(
     "pdserve:events_recorder_lag_seconds", "Age of the newest event the recorder has committed, seconds.")
 
 
+def init_worker_series(worker_id: str, receives_kv: bool) -> None:
+    """Create a worker's labelled series at 0, so a dashboard shows "none yet" rather than nothing (a
+    labelled series exists only once touched). `receives_kv`: a decode or unified worker."""
+    for family in (PREFIX_CACHE_QUERIES, PREFIX_CACHE_HITS, NUM_REQUESTS_RUNNING, NUM_REQUESTS_WAITING,
+                   KV_CACHE_USAGE_PERC):
+        family.labels(worker_id=worker_id)
+    if receives_kv:
+        for family in (CHECKSUM_FAILURES, KV_TRANSFER_BYTES, KV_TRANSFER_SECONDS):
+            family.labels(worker_id=worker_id)
+
+
+def init_router_series() -> None:
+    """Every (mode, reason) the router can place with, at 0 (see `ROUTER_PLACEMENTS`)."""
+    for mode, reason in (("disaggregated", "policy"), ("local", "short_prompt"),
+                         ("local", "no_prefill_worker"), ("colocated", "policy")):
+        ROUTER_PLACEMENTS.labels(mode=mode, reason=reason)
+
+
+class _QuietHandler(WSGIRequestHandler):
+    def log_message(self, format: str, *args: object) -> None:  # noqa: A002 (the base class's name)
+        pass  # one line per scrape on stderr otherwise
+
+
+def _text_format(app: Callable) -> Callable:
+    """`app` answering in the Prometheus text format whatever the scraper accepts. Prometheus asks for
+    OpenMetrics first, and prometheus_client's OpenMetrics output (0.26) writes the samples of
+    `pdserve:x` as `pdserve_x`: every series would be stored under a name no dashboard queries (found by
+    tests/e2e/test_dashboards.py). The text format keeps the names, as the gateway's /metrics does."""
+
+    def text_only(environ: dict, start_response: Callable) -> object:
+        return app({**environ, "HTTP_ACCEPT": "text/plain; version=0.0.4"}, start_response)
+
+    return text_only
+
+
 def start_metrics_server(port: int, addr: str = "0.0.0.0") -> int:
-    """Serve the default registry at http://`addr`:`port`/metrics from a daemon thread and return the
-    bound port (`port` 0 = a free one, for tests and several workers on one host). `addr` defaults to
-    every interface so a Prometheus container can scrape it. Raises OSError if the port is taken."""
-    server, _thread = start_http_server(port, addr=addr)
-    return int(server.server_port)
+    """Serve the default registry at http://`addr`:`port`/metrics (text format) from a daemon thread and
+    return the bound port (`port` 0 = a free one, for tests and several workers on one host). `addr`
+    defaults to every interface so a Prometheus container can scrape it. Raises OSError if the port is
+    taken."""
+    httpd = make_server(addr, port, _text_format(make_wsgi_app()), ThreadingWSGIServer,
+                        handler_class=_QuietHandler)
+    threading.Thread(target=httpd.serve_forever, name="metrics", daemon=True).start()
+    return int(httpd.server_port)

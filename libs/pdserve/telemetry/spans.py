@@ -30,6 +30,8 @@ class SpanRecord:
     events: list[dict[str, Any]] = field(default_factory=list)
     status_code: str = "UNSET"
     status_description: str | None = None
+    # Links to other spans ({"trace_id", "span_id", "attributes"}): a retried attempt links the one before.
+    links: list[dict[str, Any]] = field(default_factory=list)
 
     @classmethod
     def from_json(cls, obj: dict[str, Any]) -> SpanRecord:
@@ -48,6 +50,7 @@ class SpanRecord:
             events=list(obj.get("events") or []),
             status_code=str(status.get("code", "UNSET")),
             status_description=status.get("description"),
+            links=list(obj.get("links") or []),
         )
 
     @property

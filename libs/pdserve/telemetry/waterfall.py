@@ -4,7 +4,7 @@ per-layer transfer spans, and read the TTFT breakdown. No terminal here; `pdserv
 Span conventions every service follows (attribute and span names below are the contract):
 every span of a request carries `pdserve.request_id`; `coordinator.request` carries the TTFT phases
 (`pdserve.ttft.*_s`) and `pdserve.ttft_s`; per-layer transfer spans (`transfer.send`,
-`transfer.verify_checksum`) carry `pdserve.layer` and `pdserve.kv_bytes` / `pdserve.checksum_ok`.
+`transfer.verify_checksum`) carry `pdserve.layer` and `pdserve.bytes` / `pdserve.checksum_ok`.
 """
 
 from __future__ import annotations
@@ -16,7 +16,7 @@ from typing import NamedTuple
 from pdserve.telemetry.spans import SpanRecord
 
 LAYER_ATTR = "pdserve.layer"
-KV_BYTES_ATTR = "pdserve.kv_bytes"
+KV_BYTES_ATTR = "pdserve.bytes"  # what transfer/chunked.py and transfer/receiver.py set
 CHECKSUM_OK_ATTR = "pdserve.checksum_ok"
 COORDINATOR_REQUEST_SPAN = "coordinator.request"
 TTFT_ATTR = "pdserve.ttft_s"

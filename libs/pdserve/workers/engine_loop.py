@@ -207,7 +207,7 @@ class EngineLoop:
         bus = self.bus
         for attempt in range(attempts):
             try:
-                await bus.request(bus.subjects.finished, msg, Ack, timeout_s=2.0)
+                await bus.request(bus.subjects.finished(msg.worker_id), msg, Ack, timeout_s=2.0)
                 return
             except (BusTimeout, RejectedError) as e:
                 log.warning(

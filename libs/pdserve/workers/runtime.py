@@ -15,6 +15,7 @@ from pdserve.engine.host_memory import retain_freed_memory
 from pdserve.engine.loader import load_model
 from pdserve.messages import KVTransportKind, Role
 from pdserve.service import run_service
+from pdserve.telemetry import metrics
 from pdserve.transfer import KVTransport, make_transport
 from pdserve.workers.worker import Worker
 
@@ -41,6 +42,7 @@ def run_worker(default_role: Role,
             transport = make_transport(settings.kv_transport)
             await transport.start()
         worker = Worker(bus, settings, loaded, transport)
+        metrics.init_worker_series(settings.worker_id, receives_kv=settings.role is not Role.PREFILL)
         await worker.serve()
         tasks = [bus.spawn(worker.heartbeats.run()), bus.spawn(worker.core.loop.run())]
         log.info("%s serving %s as %s", settings.worker_id, loaded.name, settings.role)
