@@ -1,7 +1,7 @@
 # pdserve: every target works on a bare machine. The first target that needs Python builds .venv (once; again
 # only when pyproject.toml changes); nothing asks the user to activate it.
 #
-#   make up [MODE=disaggregated|colocated] [MODEL=smollm2|tiny] [PREFILL=1] [DECODE=1] [PORT=8000]
+#   make up [MODE=disaggregated|colocated] [MODEL=smollm2|tiny|kimi-tiny|<HF model dir>] [PREFILL=1] [DECODE=1] [PORT=8000]
 #   make down | status | logs [SERVICE=gateway] | test [ARGS=...] | lint | trace ID=... | replay [ID=...] | bench
 #   make observability-tools   Debian's prometheus, for the dashboards test (root; .ci/run runs it)
 #

@@ -5,13 +5,22 @@ is checked against HF transformers in tests/unit/test_model_vs_hf.py and test_ki
 from __future__ import annotations
 
 from collections.abc import Sequence
+from pathlib import Path
 
 from pdserve.engine.llm_engine import EngineConfig, LLMEngine
+from pdserve.engine.loader import LoadedModel, build_model, load_model
 from pdserve.engine.model_family import EngineModel
 from pdserve.engine.sequence import Sequence as EngineSequence
 from pdserve.messages import SamplingParams
 
 BLOCK_SIZE = 16
+
+
+def reference(name: str, cache_dir: Path) -> tuple[LoadedModel, EngineModel]:
+    """(loaded, engine model on the CPU in fp32) of model `name` ('tiny', 'kimi-tiny', a directory, ...;
+    `loader.load_model`), its family's forward chosen by `build_model`, as a CPU worker builds it."""
+    loaded = load_model(name, cache_dir)
+    return loaded, build_model(loaded)
 
 
 def greedy(model: EngineModel, prompt_ids: Sequence[int], max_tokens: int) -> list[int]:

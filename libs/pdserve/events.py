@@ -86,6 +86,10 @@ class PrefillCompleted(Payload, PrefillOutcome):
 
 
 class TransferCompleted(Payload):
+    """The decode worker holds the whole transfer, verified: `kv_bytes` of paged KV over `num_layers` paged
+    layers and, for a model with recurrent state, `state_bytes` of state (0 otherwise, and in events
+    recorded before the field existed); `transfer_s` from the reservation to the last chunk verified."""
+
     type: ClassVar[str] = "TransferCompleted"
     transfer_id: str
     transport: str
@@ -93,6 +97,7 @@ class TransferCompleted(Payload):
     num_layers: int
     transfer_s: float
     checksum_ok: bool
+    state_bytes: int = 0
 
 
 class ChecksumMismatch(Payload):
@@ -116,7 +121,9 @@ class TokensCommitted(Payload):
 
 
 class TTFTBreakdown(BaseModel):
-    """Seconds from the gateway's receive to the first token leaving the decode worker, by phase."""
+    """Seconds from the gateway's receive to the first token leaving the decode worker, by phase.
+    `state_transfer_s`: a hybrid's state handoff, the serial part after the prefill's compute that cannot
+    overlap it (carved out of the prefill phase; 0 for a model without state and in older events)."""
 
     queue_s: float
     route_s: float
@@ -125,6 +132,7 @@ class TTFTBreakdown(BaseModel):
     exposed_transfer_s: float
     first_token_s: float
     ttft_s: float
+    state_transfer_s: float = 0.0
 
 
 class RequestMigrated(Payload):

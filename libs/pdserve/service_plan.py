@@ -12,9 +12,23 @@ from pathlib import Path
 from sqlalchemy.engine import make_url
 
 from pdserve.config import ModelName
+from pdserve.engine.model_files import check_model_name, is_model_dir
 
 MODES = ("disaggregated", "colocated")
 MODELS = tuple(ModelName)
+
+
+def model_arg(value: str) -> str:
+    """`--model` of `pdserve up` and the supervisor: a built-in name (`MODELS`), or a local HF-layout
+    model directory (either family), returned as an absolute path so that every child process, whatever
+    its working directory, loads the same one. Raises argparse.ArgumentTypeError otherwise."""
+    import argparse
+
+    try:
+        check_model_name(value)
+    except ValueError as e:
+        raise argparse.ArgumentTypeError(str(e)) from None
+    return str(Path(value).expanduser().resolve()) if value not in MODELS and is_model_dir(value) else value
 
 
 @dataclass(frozen=True)

@@ -29,7 +29,7 @@ from pdserve.config import CommonSettings
 from pdserve.embedded import EmbeddedServer, start_nats, start_postgres
 from pdserve.nats_auth import stack_users, write_server_config, write_users
 from pdserve.process import ProcessRef, child_dies_with_parent
-from pdserve.service_plan import MODELS, MODES, ServiceSpec, service_plan
+from pdserve.service_plan import MODES, ServiceSpec, model_arg, service_plan
 from pdserve.stack_state import ServerState, ServiceState, StackState, remove_state, write_state
 
 log = logging.getLogger("pdserve.supervisor")
@@ -269,7 +269,7 @@ class Supervisor:
 def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p = argparse.ArgumentParser(prog="python -m pdserve.supervisor", description=__doc__.splitlines()[0])
     p.add_argument("--mode", choices=MODES, default="disaggregated")
-    p.add_argument("--model", choices=MODELS, default="smollm2")
+    p.add_argument("--model", type=model_arg, default="smollm2")
     p.add_argument("--prefill", type=int, default=1, help="prefill workers (colocated: counted as unified)")
     p.add_argument("--decode", type=int, default=1, help="decode workers (colocated: counted as unified)")
     p.add_argument("--port", type=int, default=8000, help="gateway HTTP port")

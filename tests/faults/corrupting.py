@@ -11,13 +11,17 @@ together corrupts the chunk it was meant for, whichever hashes first):
 - `corrupt_next`: the next N chunks sent (with a payload) are corrupted (`tests/integration/transfer_peer.py`
   names the (layer, chunk) pairs it wants bad this way);
 - `every_n`: the 1st, (n+1)-th, ... transfer this transport sends has its first chunk corrupted, so with
-  n >= 2 the retry of a corrupted transfer (the next one) goes through clean (`corrupting_worker`).
+  n >= 2 the retry of a corrupted transfer (the next one) goes through clean (`corrupting_worker`);
+- `pick(transfer_id, layer, chunk)`: that one chunk, when it is sent.
+`only(transfer_id)`, when given, restricts all of it to the transfers it accepts (e.g. a hybrid's state
+handoff, `state_transfer.is_state_transfer`): other transfers are neither counted nor corrupted.
 """
 
 from __future__ import annotations
 
 import concurrent.futures
 import random
+from collections.abc import Callable
 
 import numpy as np
 import torch
@@ -36,12 +40,14 @@ def flip_one_byte(payload: np.ndarray) -> np.ndarray:
 
 
 class CorruptingTransport(KVTransport):
-    def __init__(self, inner: KVTransport, every_n: int = 0) -> None:
+    def __init__(self, inner: KVTransport, every_n: int = 0,
+                 only: Callable[[str], bool] | None = None) -> None:
         if not isinstance(inner, ChunkedTransport):
             raise TypeError(f"cannot corrupt the chunks of a {type(inner).__name__}")
         self.inner: ChunkedTransport = inner
         self.kind = inner.kind
         self.every_n = every_n
+        self.only = only
         self.corrupt_next = 0
         self.corrupted = 0  # chunks sent corrupted so far
         self._transfers: set[str] = set()  # transfer ids seen (a test transport's life is short)
@@ -59,7 +65,13 @@ class CorruptingTransport(KVTransport):
 
         inner._send_chunk = corrupting_send_chunk  # type: ignore[method-assign]
 
+    def pick(self, transfer_id: str, layer: int, chunk: int) -> None:
+        """Corrupt chunk (`layer`, `chunk`) of `transfer_id` when it is sent."""
+        self._picked.add((transfer_id, layer, chunk))
+
     def _seen(self, transfer_id: str) -> None:
+        if self.only is not None and not self.only(transfer_id):
+            return
         if transfer_id not in self._transfers:
             self._transfers.add(transfer_id)
             if self.every_n > 0 and (len(self._transfers) - 1) % self.every_n == 0:
@@ -67,6 +79,8 @@ class CorruptingTransport(KVTransport):
 
     def _pick(self, transfer_id: str, layer: int, chunk: int, data: torch.Tensor) -> None:
         self._seen(transfer_id)
+        if self.only is not None and not self.only(transfer_id):
+            return
         if self.corrupt_next > 0 and data.numel() > 0:
             self.corrupt_next -= 1
             self._picked.add((transfer_id, layer, chunk))

@@ -26,7 +26,7 @@ from pdserve.config import CommonSettings
 from pdserve.embedded import port_is_free
 from pdserve.messages import Subjects
 from pdserve.process import is_alive, stop_process
-from pdserve.service_plan import MODELS, MODES
+from pdserve.service_plan import MODELS, MODES, model_arg
 from pdserve.stack_state import StackState, read_state, remove_state
 
 console = make_console(soft_wrap=True)  # long URLs and paths stay on one line
@@ -292,7 +292,9 @@ def add_parsers(sub: argparse._SubParsersAction) -> None:
         default="disaggregated",
         help="disaggregated: prefill + decode pools; colocated: unified workers (as many processes)",
     )
-    p.add_argument("--model", choices=MODELS, default="smollm2", help="tiny: seeded random Llama for tests")
+    p.add_argument("--model", type=model_arg, default="smollm2", metavar="MODEL",
+                   help=f"{', '.join(MODELS)} (tiny, kimi-tiny: seeded random Llama / Kimi Linear hybrid for "
+                   "tests) or a local HF-layout model directory of either family")
     p.add_argument("--prefill", type=int, default=1, help="prefill workers (default 1)")
     p.add_argument("--decode", type=int, default=1, help="decode workers (default 1)")
     p.add_argument("--port", type=int, default=8000, help="gateway HTTP port (default 8000)")

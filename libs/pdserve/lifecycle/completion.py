@@ -16,8 +16,11 @@ def ttft_breakdown(
     holds the UNIX seconds at which the placement began route / reserve / prefill and ended prefill
     ("route", "reserve", "prefill", "prefilled"), and "first_token" when the prefill worker streamed the
     first token itself: then the prefill phase ends there, and neither the transfer nor the start of decode
-    is on the TTFT path (exposed transfer and first token 0). Without a placement of this coordinator
-    (`admitted` None or no timings: a request resumed while decoding) only the total is known."""
+    is on the TTFT path (exposed transfer, first token and a hybrid's state transfer 0: the state delays the
+    second token instead). Otherwise, optionally, "state_sent": when a hybrid's serial state handoff began
+    (after the compute; the prefill phase ends there and `state_transfer_s` runs to "prefilled"; absent: no
+    state). Without a placement of this coordinator (`admitted` None or no timings: a request resumed while
+    decoding) only the total is known."""
     if admitted is None or not timings:
         return TTFTBreakdown(queue_s=0.0, route_s=0.0, reserve_s=0.0, prefill_s=0.0, exposed_transfer_s=0.0,
                              first_token_s=0.0, ttft_s=max(0.0, done.first_token_ts - received_ts))
@@ -31,9 +34,11 @@ def ttft_breakdown(
         return TTFTBreakdown(**before_prefill, prefill_s=streamed - timings["prefill"],
                              exposed_transfer_s=0.0, first_token_s=0.0, ttft_s=streamed - received_ts)
     transfer_end = max(timings["prefilled"], admitted.transfer_done_ts)
+    state_sent = timings.get("state_sent", timings["prefilled"])
     return TTFTBreakdown(
         **before_prefill,
-        prefill_s=timings["prefilled"] - timings["prefill"],
+        prefill_s=state_sent - timings["prefill"],
+        state_transfer_s=timings["prefilled"] - state_sent,
         exposed_transfer_s=transfer_end - timings["prefilled"],
         first_token_s=max(0.0, admitted.first_token_ts - transfer_end),
         ttft_s=admitted.first_token_ts - received_ts,

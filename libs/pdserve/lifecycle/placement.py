@@ -105,6 +105,8 @@ async def place(
             first = result
             if result.first_token_ts:
                 timings["first_token"] = result.first_token_ts
+        # a hybrid's state handoff, after the compute (PrefillResult.state_s): the TTFT's serial state part
+        timings["state_sent"] = max(timings["prefill"], timings["prefilled"] - result.state_s)
         try:
             admitted = await _start(ctx, decision, reservation, first, prompt, start_index)
             break

@@ -15,11 +15,20 @@ class CompatibilityDescriptor(Message):
     weights_hash: str
     dtype: str
     block_size: int
-    num_layers: int
-    num_kv_heads: int
-    head_dim: int
+    num_layers: int = Field(description="Paged KV layers a transfer carries (Llama: every layer; a hybrid: "
+                            "its attention layers).")
+    num_kv_heads: int = Field(0, description="Llama: KV heads per layer (0 for a family without them).")
+    head_dim: int = Field(0, description="Llama: head dimension (0 for a family without one).")
     hash_seed: int
     layout_version: int
+    family: str = Field("llama", description="The model family (`EngineModel.family`): 'llama' or "
+                        "'kimi_linear'. Older workers omit it, and served only llama.")
+    paged_row_shape: tuple[int, ...] = Field(
+        (), description="One token's row of a paged KV layer (`CacheSpec.paged_row_shape`): Llama "
+        "(2, kv_heads, head_dim), Kimi Linear's MLA (kv_lora_rank + rope_dim,).")
+    state_layout: tuple[str, ...] = Field(
+        (), description="Per-request recurrent state a handoff carries, one 'name[layers,*shape]:dtype' per "
+        "tensor (`CacheSpec.state`); empty for a model without state.")
     memory: str = Field("cpu", description="Where the KV pool lives (the device type: 'cpu' or 'cuda'); "
                         "the transports move host memory, so only equal memory types pair.")
 

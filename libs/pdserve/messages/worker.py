@@ -73,7 +73,10 @@ class PrefillOutcome(BaseModel):
     """What a prefill produced, defined once for the reply (`PrefillResult`) and the event
     (`events.PrefillCompleted`). `num_cached_tokens` of the prompt were found in the prefill worker's
     prefix cache, `num_computed_tokens` computed; `kv_bytes` of KV sent (the event: when the compute
-    ended; the reply: once every send was delivered); `prefill_s` seconds of compute."""
+    ended; the reply: once every send was delivered); `prefill_s` seconds of compute. For a model with
+    recurrent state: the prefill resumed from a state checkpoint of `num_checkpoint_tokens` tokens (<=
+    `num_cached_tokens`; it computed prompt - num_checkpoint_tokens tokens), and `state_bytes` of state
+    follow the KV (0 without state, or for a local prefill)."""
 
     model_config = ConfigDict(frozen=True)
 
@@ -83,6 +86,8 @@ class PrefillOutcome(BaseModel):
     num_computed_tokens: int
     kv_bytes: int
     prefill_s: float
+    num_checkpoint_tokens: int = 0
+    state_bytes: int = 0
     first_token_ts: float = Field(0.0, description="UNIX seconds when the prefill worker published the first "
                                   "token to the client; 0 when it did not (a stop token, or a retry).")
 
@@ -90,6 +95,8 @@ class PrefillOutcome(BaseModel):
 class PrefillResult(Message, PrefillOutcome):
     request_id: str
     first_token_logprobs: TokenLogprobs | None = None
+    state_s: float = Field(0.0, ge=0, description="Seconds from the state handed to the transport, after the "
+                           "compute, until every state tensor was delivered: the serial state transfer.")
 
 
 class StartDecode(Message):

@@ -5,6 +5,11 @@ expects its transfer, `start` admits it into the continuous batch once that tran
   has (reported as `num_cached_tokens`), and expect the transfer of the rest.
 - start: wait until the transfer is verified and in the reserved blocks (scattered chunk by chunk as it
   arrives, see `kv_transfer`), admit the sequence into the engine's continuous batch, stream tokens.
+
+For a model with recurrent state (a hybrid) the transfer also carries the whole state after the prompt
+(`state_transfer`): it is expected at reservation beside the KV, and installed only once every tensor of
+it is verified; a bad checksum in it fails the transfer as one in the KV does (TRANSFER_FAILED: the
+coordinator retries, then recomputes), so an unverified state is never admitted.
 """
 
 from __future__ import annotations
@@ -33,6 +38,7 @@ from pdserve.transfer.base import ChecksumMismatchError, KVTransport, TransferSt
 from pdserve.workers.core import WorkerCore
 from pdserve.workers.kv_transfer import InboundKV
 from pdserve.workers.reserved_kv import ReservedKV
+from pdserve.workers.state_transfer import StateInbound, is_state_transfer
 
 tracer = trace.get_tracer("pdserve.worker")
 
@@ -101,11 +107,12 @@ class DecodeCommands:
         """Expect `req`'s transfer into `seq`'s reserved blocks. Raises ValueError for a transfer id the
         transport has already seen."""
         core = self.core
-        cfg = core.loaded.config
 
-        async def completed(stats: TransferStats) -> None:
-            metrics.KV_TRANSFER_BYTES.labels(worker_id=core.worker_id).inc(stats.kv_bytes)
-            metrics.KV_TRANSFER_SECONDS.labels(worker_id=core.worker_id).observe(stats.seconds)
+        async def completed(stats: TransferStats, state: TransferStats | None) -> None:
+            state_bytes = state.kv_bytes if state is not None else 0
+            seconds = max(stats.seconds, state.seconds) if state is not None else stats.seconds
+            metrics.KV_TRANSFER_BYTES.labels(worker_id=core.worker_id).inc(stats.kv_bytes + state_bytes)
+            metrics.KV_TRANSFER_SECONDS.labels(worker_id=core.worker_id).observe(seconds)
             await core.bus.emit(
                 req.request_id,
                 TransferCompleted(
@@ -113,15 +120,25 @@ class DecodeCommands:
                     transport=transport.kind,
                     kv_bytes=stats.kv_bytes,
                     num_layers=stats.num_layers,
-                    transfer_s=stats.seconds,
+                    transfer_s=seconds,
                     checksum_ok=True,
+                    state_bytes=state_bytes,
                 ),
                 core.worker_id,
             )
 
-        return InboundKV(transport, req.transfer_id, seq, core.engine.runner.kv_cache,
-                         core.settings.block_size, cfg.num_kv_heads, cfg.head_dim, core.settings.lease_s,
-                         self.scatter_pool, completed)
+        spec = core.model.cache_spec()
+        state = None
+        if spec.state is not None:  # raises ValueError, as the KV's expect does, for a seen transfer id
+            state = StateInbound(transport, req.transfer_id, spec.state, core.model.dtype)
+        try:
+            return InboundKV(transport, req.transfer_id, seq, core.engine.runner.kv_cache,
+                             core.settings.block_size, spec.paged_row_shape, core.settings.lease_s,
+                             self.scatter_pool, completed, state)
+        except ValueError:
+            if state is not None:
+                state.cancel()
+            raise
 
     async def start(self, req: StartDecode) -> DecodeAdmitted:
         core = self.core
@@ -144,22 +161,30 @@ class DecodeCommands:
                 stats = await held.kv.ready()
             except ChecksumMismatchError as e:
                 metrics.CHECKSUM_FAILURES.labels(worker_id=core.worker_id).inc()
+                # a state tensor's mismatch names its transfer (`<id>.state.<name>`) and its layer (chunk)
+                in_state = is_state_transfer(e.transfer_id)
                 await core.bus.emit(
                     req.request_id,
                     ChecksumMismatch(
-                        transfer_id=req.transfer_id, layer=e.layer, expected=e.expected, actual=e.actual
+                        transfer_id=e.transfer_id if in_state else req.transfer_id,
+                        layer=e.chunk if in_state else e.layer, expected=e.expected, actual=e.actual,
                     ),
                     core.worker_id,
                 )
                 await core.drop(req.request_id)
-                raise RejectedError(
-                    RejectCode.TRANSFER_FAILED, f"checksum mismatch at layer {e.layer}"
-                ) from e
+                where = f"state {e.transfer_id} layer {e.chunk}" if in_state else f"layer {e.layer}"
+                raise RejectedError(RejectCode.TRANSFER_FAILED, f"checksum mismatch at {where}") from e
             except TransferTimeout as e:
                 await core.drop(req.request_id)
                 raise RejectedError(RejectCode.TRANSFER_FAILED, f"transfer timed out: {e}") from e
             kv_bytes, transfer_s, transfer_done_ts = stats.kv_bytes, stats.seconds, held.kv.ready_ts
+            if held.kv.state_stats is not None:
+                kv_bytes += held.kv.state_stats.kv_bytes
+                transfer_s = max(transfer_s, held.kv.state_stats.seconds)
             async with core.compute:  # verified and scattered: now, and only now, the blocks count
+                state = held.kv.state
+                if state is not None:  # every tensor verified (`ready()`): the state may be installed
+                    core.engine.install_state(seq, state)
                 core.engine.mark_computed(seq, len(seq))
             await core.kv_events.flush()
         elif seq.status is not SequenceStatus.PARKED:

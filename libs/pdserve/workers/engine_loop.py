@@ -11,12 +11,14 @@ import logging
 import time
 from collections.abc import Awaitable, Callable
 from dataclasses import dataclass
+from typing import NamedTuple
 
 from opentelemetry import trace
 
 from pdserve.bus import Bus, BusTimeout, RejectedError
 from pdserve.engine.llm_engine import LLMEngine, StepOutput
 from pdserve.engine.sequence import Sequence
+from pdserve.engine.state_pool import SequenceState
 from pdserve.events import TokensCommitted
 from pdserve.messages import Ack, DecodeFinished, FinishReason, RejectCode, TokenChunk, TokenLogprobs
 
@@ -24,6 +26,15 @@ log = logging.getLogger(__name__)
 tracer = trace.get_tracer("pdserve.worker")
 
 _IDLE_RETRY_S = 0.005  # work queued but nothing schedulable (blocks held by reservations): poll gently
+
+
+class PrefillDone(NamedTuple):
+    """A prompt's end on this worker: its first token, that token's logprobs (None unless asked) and, for
+    a model with recurrent state, a copy of the whole state after the prompt (`StepOutput.state`)."""
+
+    token_id: int
+    logprobs: TokenLogprobs | None
+    state: SequenceState | None = None
 
 
 @dataclass
@@ -52,7 +63,7 @@ class EngineLoop:
         self.commit_every_tokens = commit_every_tokens
         self.after_step = after_step
         self.streams: dict[str, DecodeStream] = {}
-        self.prefills: dict[str, asyncio.Future[tuple[int, TokenLogprobs | None]]] = {}
+        self.prefills: dict[str, asyncio.Future[PrefillDone]] = {}
         self._wakeup = asyncio.Event()
 
     @property
@@ -62,11 +73,11 @@ class EngineLoop:
     def wake(self) -> None:
         self._wakeup.set()
 
-    def expect_prefill(self, request_id: str) -> asyncio.Future[tuple[int, TokenLogprobs | None]]:
-        """A future resolved with the first token and its logprobs (None unless the request asked) when
-        `request_id`'s `stop_after_prefill` sequence finishes its prompt, or failed with RejectedError when
-        it is released first."""
-        fut: asyncio.Future[tuple[int, TokenLogprobs | None]] = asyncio.get_running_loop().create_future()
+    def expect_prefill(self, request_id: str) -> asyncio.Future[PrefillDone]:
+        """A future resolved with `PrefillDone` (first token, its logprobs, the state) when `request_id`'s
+        `stop_after_prefill` sequence finishes its prompt, or failed with RejectedError when it is released
+        first."""
+        fut: asyncio.Future[PrefillDone] = asyncio.get_running_loop().create_future()
         self.prefills[request_id] = fut
         return fut
 
@@ -131,7 +142,7 @@ class EngineLoop:
         if out.prefill_done:
             fut = self.prefills.pop(rid, None)
             if fut is not None and not fut.done():
-                fut.set_result((out.sampled_token_id, out.logprobs))
+                fut.set_result(PrefillDone(out.sampled_token_id, out.logprobs, out.state))
             return
         stream = self.streams.get(rid)
         if stream is not None:

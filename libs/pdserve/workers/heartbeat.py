@@ -18,26 +18,45 @@ from pdserve.workers.core import WorkerCore
 
 log = logging.getLogger(__name__)
 
-LAYOUT_VERSION = (
-    2  # per layer [num_blocks, block_size, 2, kv_heads, head_dim] fp32; transfers carry token rows
-)
+LAYOUT_VERSION = 2  # paged: per layer [num_blocks, block_size, *paged_row_shape]; transfers carry token rows
+
+
+def state_layout(model: EngineModel) -> tuple[str, ...]:
+    """The descriptor's `state_layout`: one 'name[layers,*shape]:dtype' per state tensor of `model`'s
+    `cache_spec().state` (a tensor without a dtype of its own is in the model's), () without state."""
+    layout = model.cache_spec().state
+    if layout is None:
+        return ()
+    return tuple(
+        f"{t.name}[{','.join(str(n) for n in (layout.num_layers, *t.shape))}]:"
+        f"{str(t.dtype or model.dtype).removeprefix('torch.')}"
+        for t in layout.tensors
+    )
 
 
 def compatibility_descriptor(
     loaded: LoadedModel, settings: WorkerSettings, model: EngineModel
 ) -> CompatibilityDescriptor:
+    """What must match for a peer to use this worker's KV and state (docs/architecture.md §6): the model
+    and its weights, the family and its cache layout (paged rows, state tensors), dtype, memory, block size
+    and hash seed. Llama keeps its KV head fields; a family without them has 0 there."""
+    spec = model.cache_spec()
     cfg = loaded.config
+    llama = loaded.family == "llama"
     return CompatibilityDescriptor(
         model=loaded.name,
         weights_hash=loaded.weights_hash,
         dtype=str(model.dtype).removeprefix("torch."),
         memory=model.device.type,
         block_size=settings.block_size,
-        num_layers=cfg.num_layers,
-        num_kv_heads=cfg.num_kv_heads,
-        head_dim=cfg.head_dim,
+        num_layers=spec.num_paged_layers,
+        num_kv_heads=cfg.num_kv_heads if llama else 0,
+        head_dim=cfg.head_dim if llama else 0,
         hash_seed=settings.kv_hash_seed,
         layout_version=LAYOUT_VERSION,
+        family=loaded.family,
+        paged_row_shape=spec.paged_row_shape,
+        state_layout=state_layout(model),
     )
 
 

@@ -11,7 +11,9 @@ reserved blocks as soon as its checksum is verified — while the prefill worker
 layers — so that after the last layer only that layer's landing, hash and scatter remain. The blocks
 count as computed only once every chunk is verified and scattered (`ready()`, then the caller's
 `mark_computed`); a failed or cancelled transfer leaves nothing marked, and `drained()` guarantees no
-scatter still writes into blocks about to be freed.
+scatter still writes into blocks about to be freed. For a model with recurrent state, the transfer is
+ready only once the whole state (`state_transfer.StateInbound`) is verified too; `state` is then the
+state to install, and a failure of either half cancels both.
 """
 
 from __future__ import annotations
@@ -26,17 +28,20 @@ import torch
 from opentelemetry import propagate
 
 from pdserve.engine.sequence import Sequence
+from pdserve.engine.state_pool import SequenceState
 from pdserve.kernels.kv_pack import token_slots, unpack_kv
 from pdserve.messages import PrefillRequest
 from pdserve.transfer.base import KVTransport, TransferStats
+from pdserve.workers.state_transfer import StateInbound
 
-# (layer, chunk, first staging row, rows [n, 2, num_kv_heads, head_dim]) held by a naive sender
+# (layer, chunk, first staging row, rows [n, *paged_row_shape]) held by a naive sender
 HeldChunk = tuple[int, int, int, torch.Tensor]
 
 
 class OutboundKV:
-    """The prefill side of one transfer. Row p of the prompt lands at row p - decode_num_cached_tokens
-    of the decode worker's staging. Created on the worker's event loop."""
+    """The prefill side of one transfer of `num_layers` paged layers (the model's
+    `cache_spec().num_paged_layers`). Row p of the prompt lands at row p - decode_num_cached_tokens of the
+    decode worker's staging. Created on the worker's event loop."""
 
     def __init__(self, transport: KVTransport, req: PrefillRequest, num_layers: int, naive: bool) -> None:
         self.transport = transport
@@ -53,8 +58,9 @@ class OutboundKV:
         self._finish: Future[None] | None = None  # the end marker, once sent
 
     def on_layer(self, layer: int, start: int, rows: torch.Tensor) -> None:
-        """The engine's KV sink (called in the engine's thread): `rows` [n, 2, num_kv_heads, head_dim] are
-        positions start..start+n of layer `layer`, a copy the engine no longer touches."""
+        """The engine's KV sink (called in the engine's thread): `rows` [n, *paged_row_shape] (Llama
+        [n, 2, kv_heads, head_dim], MLA [n, kv_lora_rank + rope_dim]) are positions start..start+n of paged
+        layer `layer`, a copy the engine no longer touches."""
         if rows.device.type != "cpu":  # the transports move host memory: a device pool's rows are staged
             rows = rows.cpu()
         chunk = self._chunk_of.setdefault(start, len(self._chunk_of))
@@ -100,22 +106,27 @@ class OutboundKV:
 class InboundKV:
     """The decode side of one transfer into `seq`'s reserved blocks (rows from `seq.num_cached_tokens` on).
 
-    `staging[l]`: [len(seq) - seq.num_cached_tokens, 2, num_kv_heads, head_dim] fp32 where layer l's rows
-    land; `kv_cache[l]`: the engine's [num_blocks, block_size, 2, num_kv_heads, head_dim] pool. Scatters run
+    `staging[l]`: [len(seq) - seq.num_cached_tokens, *row_shape] in the pool's dtype, host memory, where
+    paged layer l's rows land; `kv_cache[l]`: the engine's [num_blocks, block_size, *row_shape] pool, one per
+    paged layer (`row_shape` = `cache_spec().paged_row_shape`: Llama (2, kv_heads, head_dim)). Scatters run
     one at a time on `scatter_pool` (never on the event loop). Raises ValueError when the transport
-    refuses the transfer id. `on_ready(stats)` is awaited once the KV is verified and in the blocks
-(`ready_ts`, UNIX seconds, is then set).
+    refuses the transfer id. `on_ready(stats, state_stats)` is awaited once the KV is verified and in the
+    blocks (`ready_ts`, UNIX seconds, is then set). With a `state` handoff expected beside the KV,
+    `ready()` waits for both, `state_stats` is set (None otherwise) and `state` is the verified state.
     """
 
     def __init__(self, transport: KVTransport, transfer_id: str, seq: Sequence, kv_cache: list[torch.Tensor],
-                 block_size: int, num_kv_heads: int, head_dim: int, timeout_s: float,
+                 block_size: int, row_shape: tuple[int, ...], timeout_s: float,
                  scatter_pool: concurrent.futures.Executor,
-                 on_ready: Callable[[TransferStats], Awaitable[None]]) -> None:
+                 on_ready: Callable[[TransferStats, TransferStats | None], Awaitable[None]],
+                 state: StateInbound | None = None) -> None:
         rows = len(seq) - seq.num_cached_tokens
         # host memory (what the transports move), in the pool's dtype; scattered into a device pool from here
-        self.staging = [torch.empty(rows, 2, num_kv_heads, head_dim, dtype=pool.dtype) for pool in kv_cache]
+        self.staging = [torch.empty(rows, *row_shape, dtype=pool.dtype) for pool in kv_cache]
         self.inbound = transport.expect(transfer_id, self.staging)
         self.inbound.on_chunk_verified = self._scatter_chunk
+        self._state = state
+        self.state_stats: TransferStats | None = None
         self._kv_cache = kv_cache
         self._slots = token_slots(seq.block_table, seq.num_cached_tokens, len(seq), block_size,
                                   kv_cache[0].device)
@@ -134,12 +145,23 @@ class InboundKV:
         return await asyncio.shield(self._task)
 
     def cancel(self) -> None:
-        """Stop expecting the transfer; idempotent. Await `drained()` before freeing the blocks."""
+        """Stop expecting the transfer (and the state); idempotent. Await `drained()` before freeing the
+        blocks."""
         self.inbound.cancel()
+        if self._state is not None:
+            self._state.cancel()
+
+    @property
+    def state(self) -> SequenceState | None:
+        """The verified state to install (name -> [layers, *shape]) once `ready()` returned; None for a
+        model without state."""
+        return self._state.verified() if self._state is not None else None
 
     async def drained(self) -> None:
         """Return once no chunk is landing in the staging rows and no scatter writes into the blocks."""
         await self.inbound.drained()
+        if self._state is not None:
+            await self._state.drained()
         await asyncio.gather(*self._scatters, return_exceptions=True)
 
     def _scatter_chunk(self, layer: int, token_start: int, n_tokens: int) -> None:
@@ -149,9 +171,17 @@ class InboundKV:
             self.staging[layer][token_start:end]))
 
     async def _receive(self, timeout_s: float) -> TransferStats:
-        stats = await self.inbound.wait(timeout_s)
+        try:
+            if self._state is None:
+                stats = await self.inbound.wait(timeout_s)
+            else:  # the first failure of either half fails the transfer
+                stats, self.state_stats = await asyncio.gather(self.inbound.wait(timeout_s),
+                                                               self._state.wait(timeout_s))
+        except BaseException:
+            self.cancel()  # nothing of a failed transfer lands later
+            raise
         await asyncio.gather(*self._scatters)
         self.staging = []
         self.ready_ts = time.time()
-        await self._on_ready(stats)
+        await self._on_ready(stats, self.state_stats)
         return stats

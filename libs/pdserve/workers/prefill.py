@@ -5,13 +5,18 @@ On a prefill worker the prompt's KV rows that the decode worker lacks are stream
 computed (`kv_transfer_mode='layerwise'`) or all at once after the prefill (`'naive'`, the baseline);
 `PrefillCompleted` is emitted when the compute is done, the reply comes once every send is delivered. A
 decode or unified worker prefills locally into a reservation of its own (the router's `local` mode).
+
+For a model with recurrent state (a hybrid), the whole state after the prompt follows the KV over the same
+transport, every tensor checksummed (`state_transfer.send_state`), started as soon as the compute ends; the
+reply comes once it is delivered too, with `state_s` its serial time (docs/architecture.md §6).
 """
 
 from __future__ import annotations
 
+import asyncio
 import time
 
-from opentelemetry import trace
+from opentelemetry import propagate, trace
 
 from pdserve.bus import RejectedError
 from pdserve.config import KVTransferMode
@@ -29,6 +34,7 @@ from pdserve.messages import (
 )
 from pdserve.workers.core import WorkerCore
 from pdserve.workers.kv_transfer import OutboundKV
+from pdserve.workers.state_transfer import send_state, state_bytes
 
 tracer = trace.get_tracer("pdserve.worker")
 
@@ -65,7 +71,7 @@ class PrefillCommands:
             seq = Sequence(req.request_id, req.prompt_token_ids, req.sampling, cache_salt=req.cache_salt)
             seq.stop_after_prefill = seq.free_after_prefill = True
             seq.num_sent_tokens = req.decode_num_cached_tokens
-            outbound = OutboundKV(core.transport, req, core.loaded.config.num_layers,
+            outbound = OutboundKV(core.transport, req, core.model.cache_spec().num_paged_layers,
                                   naive=core.settings.kv_transfer_mode is KVTransferMode.NAIVE)
             seq.kv_sink = outbound.on_layer
             first = core.loop.expect_prefill(req.request_id)
@@ -86,21 +92,34 @@ class PrefillCommands:
             core.worker_id,
         )
         t0 = time.perf_counter()
+        state_s = 0.0
         with tracer.start_as_current_span("prefill.forward") as span:
             span.set_attribute("pdserve.request_id", req.request_id)
             span.set_attribute("pdserve.num_prompt_tokens", num_prompt)
             span.set_attribute("pdserve.local", local)
-            first_token, first_logprobs = await first
+            done = await first
+            first_token, first_logprobs = done.token_id, done.logprobs
             # The compute is done: from here on, what the decode worker waits for is the transfer's tail
             # (benchmarks/exposed_transfer.py measures it from this event to TransferCompleted).
             prefill_s = time.perf_counter() - t0
+            state_send: asyncio.Task[int] | None = None
+            if outbound is not None and done.state is not None:  # the state exists only now: sent at once
+                t_state = time.perf_counter()
+                carrier: dict[str, str] = {}
+                propagate.inject(carrier)
+                state_send = asyncio.ensure_future(send_state(
+                    core.transport, req.endpoint, req.transfer_id, done.state, carrier.get("traceparent")))
             first_token_ts = await self._stream_first_token(req, first_token, first_logprobs)
             cached = seq.num_cached_tokens
+            # A hybrid resumes from its state checkpoint C <= the KV hit L: it computed prompt - C tokens.
+            resumed = seq.num_checkpoint_tokens if core.engine.state_pool is not None else cached
             # What the event and the reply share; the event's kv_bytes are those sent so far.
             outcome = PrefillOutcome(
                 transfer_id=req.transfer_id, first_token_id=first_token, num_cached_tokens=cached,
-                num_computed_tokens=num_prompt - cached, prefill_s=prefill_s,
+                num_computed_tokens=num_prompt - resumed, prefill_s=prefill_s,
                 kv_bytes=outbound.kv_bytes if outbound is not None else 0, first_token_ts=first_token_ts,
+                num_checkpoint_tokens=seq.num_checkpoint_tokens,
+                state_bytes=state_bytes(done.state) if state_send is not None else 0,
             )
             completed = PrefillCompleted(prefill_worker_id=core.worker_id, **dict(outcome))
             await core.bus.emit(req.request_id, completed, core.worker_id)
@@ -108,10 +127,17 @@ class PrefillCommands:
             if outbound is not None:  # (a local prefill's cache lookup was counted at its reservation)
                 core.count_prefix_cache(num_prompt, cached)
                 core.prefilling.pop(req.request_id, None)
-                # The reply's kv_bytes: once every send is delivered.
-                delivered = await outbound.complete(seq.num_chunks_sent)
+                # The reply's kv_bytes (and state_bytes): once every send is delivered.
+                kv_sent = outbound.complete(seq.num_chunks_sent)
+                if state_send is None:
+                    delivered = await kv_sent
+                else:
+                    delivered, sent_state = await asyncio.gather(kv_sent, state_send)
+                    state_s = time.perf_counter() - t_state
+                    outcome = outcome.model_copy(update={"state_bytes": sent_state})
                 outcome = outcome.model_copy(update={"kv_bytes": delivered})
-        return PrefillResult(request_id=req.request_id, first_token_logprobs=first_logprobs, **dict(outcome))
+        return PrefillResult(request_id=req.request_id, first_token_logprobs=first_logprobs, state_s=state_s,
+                             **dict(outcome))
 
     async def _stream_first_token(
         self, req: PrefillRequest, token: int, logprobs: TokenLogprobs | None
