@@ -43,19 +43,19 @@ async def fetch_worker_prefill_s(database_url: str, request_ids: Sequence[str]) 
     measured by the worker), keyed by request id. Raises what SQLAlchemy raises when Postgres fails."""
     import sqlalchemy as sa
 
-    from pdserve.store.queries import make_engine
+    from pdserve.store.queries import make_db
     from pdserve.store.tables import events
 
-    engine = make_engine(database_url)
+    db = make_db(database_url)
     try:
-        async with engine.connect() as conn:
+        async with db.connect() as conn:
             q = (sa.select(events.c.request_id, events.c.payload)
                  .where(events.c.type == "PrefillCompleted",
                         events.c.request_id.in_(sorted(set(request_ids))))
                  .order_by(events.c.stream_seq))
             rows = (await conn.execute(q)).all()
     finally:
-        await engine.dispose()
+        await db.dispose()
     return {str(rid): float(payload["prefill_s"]) for rid, payload in rows}  # the last one wins
 
 
