@@ -44,10 +44,25 @@ def observed_stack(isolated_settings, tmp_path_factory) -> Iterator[tuple[EnvSta
     try:
         stack.start()
         prom.start()
+        wait_all_scraped(prom, len(names) + 1)
         yield stack, prom
     finally:
         prom.stop()
         stack.stop()
+
+
+def wait_all_scraped(prom: Prometheus, num_targets: int, timeout_s: float = 60.0) -> None:
+    """Until Prometheus has scraped every target successfully, then two more intervals: traffic sent
+    before a target's first scrape is in no rate (a counter's first sample has nothing to rise from), which
+    on a loaded machine left whole panels empty."""
+    deadline = time.monotonic() + timeout_s
+    while time.monotonic() < deadline:
+        health = prom.targets_up()
+        if len(health) == num_targets and set(health.values()) == {"up"}:
+            time.sleep(2.0)
+            return
+        time.sleep(0.5)
+    raise TimeoutError(f"prometheus did not scrape every target in {timeout_s} s: {prom.targets_up()}")
 
 
 def send_traffic(stack: EnvStack) -> None:
