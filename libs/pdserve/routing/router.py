@@ -64,6 +64,7 @@ class Placer:
         self.index = KVIndex(settings.kv_index_ttl_s, clock)
         self.load = ActiveLoad(settings.booking_max_age_s, clock, settings.balance_window_requests)
         self._reported: dict[str, CompatibilityDescriptor] = {}  # workers reported as matching no peer
+        self._counted: set[str] = set()  # workers whose placement series exist
         self.clock = clock
         self._started = clock()
 
@@ -74,6 +75,11 @@ class Placer:
         no live worker of the other pool (it is never paired while that lasts); None otherwise."""
         self.registry.observe(hb)
         self.index.touch(hb.worker_id)
+        if hb.worker_id not in self._counted:
+            # its placement series exist at 0 before its first placement, so a rate sees that increase
+            self._counted.add(hb.worker_id)
+            metrics.ROUTER_PROMPT_TOKENS.labels(worker_id=hb.worker_id)
+            metrics.ROUTER_CEILING_CACHED_TOKENS.labels(worker_id=hb.worker_id)
         report = self.registry.unmatched(hb)
         if report is None:
             self._reported.pop(hb.worker_id, None)
