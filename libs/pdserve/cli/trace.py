@@ -94,11 +94,12 @@ def _label(row: WaterfallRow) -> Text:
 def _render_waterfall(console: Console, wf: Waterfall, width: int) -> None:
     colors: dict[str, str] = {}
     table = Table(box=None, pad_edge=False, show_edge=False)
-    table.add_column("span", no_wrap=True)
-    table.add_column("service", no_wrap=True)
-    table.add_column("start ms", justify="right")
-    table.add_column("dur ms", justify="right")
-    table.add_column(f"0 ─ {wf.total_s * 1e3:.1f} ms", no_wrap=True)
+    # Only the span names give way when the terminal is narrow: the numbers and the bars are the point.
+    table.add_column("span", no_wrap=True, overflow="ellipsis", min_width=24)
+    table.add_column("service", no_wrap=True, min_width=11)
+    table.add_column("start ms", justify="right", no_wrap=True, min_width=8)
+    table.add_column("dur ms", justify="right", no_wrap=True, min_width=7)
+    table.add_column(f"0 ─ {wf.total_s * 1e3:.1f} ms", no_wrap=True, min_width=width)
     for row in wf.rows:
         color = colors.setdefault(row.service, _PALETTE[len(colors) % len(_PALETTE)])
         start, length = bar_cells(row.offset_s, row.duration_s, wf.total_s, width)
