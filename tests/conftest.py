@@ -180,3 +180,15 @@ def kimi_hf(kimi_dir):
     import transformers
 
     return transformers.KimiLinearForCausalLM.from_pretrained(kimi_dir).eval()
+
+
+@pytest.fixture(scope="module")
+def one_torch_thread():
+    """One intra-op thread for a module's tests, as a worker runs: on 2 shared cores, more threads are many
+    times slower under load (OpenMP threads wait on a core another process holds)."""
+    import torch
+
+    threads = torch.get_num_threads()
+    torch.set_num_threads(1)
+    yield
+    torch.set_num_threads(threads)

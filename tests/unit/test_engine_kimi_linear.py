@@ -16,6 +16,8 @@ from pdserve.engine.tokenizer import load_tokenizer
 from pdserve.messages import SamplingParams
 from tests.unit.test_model_vs_hf import hf_greedy
 
+pytestmark = pytest.mark.usefixtures("one_torch_thread")
+
 transformers = pytest.importorskip("transformers")
 
 MAX_TOKENS = 32
@@ -53,15 +55,6 @@ PROMPTS = [
         )
     ),
 ]
-
-
-@pytest.fixture(scope="module", autouse=True)
-def one_torch_thread():
-    """One intra-op thread, as a worker runs: on 2 shared cores, more threads are many times slower."""
-    threads = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(threads)
 
 
 @pytest.fixture(scope="module")

@@ -14,7 +14,7 @@ from tests import oracle
 from tests.unit.test_model_vs_hf import hf_greedy
 
 transformers = pytest.importorskip("transformers")
-pytestmark = pytest.mark.smollm2
+pytestmark = [pytest.mark.smollm2, pytest.mark.usefixtures("one_torch_thread")]
 
 MAX_TOKENS = 32
 GREEDY = SamplingParams(max_tokens=MAX_TOKENS, temperature=0, ignore_eos=True)
@@ -49,15 +49,6 @@ PROMPTS = [
         )
     ),
 ]
-
-
-@pytest.fixture(scope="module", autouse=True)
-def one_torch_thread():
-    """One intra-op thread, as a worker runs: on 2 shared cores, 2 threads are ~20x slower under load."""
-    threads = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(threads)
 
 
 @pytest.fixture(scope="module")

@@ -18,19 +18,12 @@ from pdserve.engine.scheduler import ScheduledSeq
 from pdserve.engine.sequence import Sequence
 from pdserve.engine.state_pool import StatePool
 
+pytestmark = pytest.mark.usefixtures("one_torch_thread")
+
 transformers = pytest.importorskip("transformers")
 
 ATOL = 1e-4
 BLOCK_SIZE = 16
-
-
-@pytest.fixture(scope="module", autouse=True)
-def one_torch_thread():
-    """One intra-op thread, as a worker runs: on 2 shared cores, more threads are many times slower."""
-    threads = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(threads)
 
 
 @pytest.fixture(scope="session")

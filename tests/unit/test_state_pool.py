@@ -17,16 +17,10 @@ from pdserve.kernels.kv_pack import token_slots, unpack_kv
 from pdserve.messages import SamplingParams
 from tests import oracle
 
+pytestmark = pytest.mark.usefixtures("one_torch_thread")
+
 BS = 16
 GREEDY = SamplingParams(max_tokens=8, temperature=0, ignore_eos=True)
-
-
-@pytest.fixture(scope="module", autouse=True)
-def one_torch_thread():
-    threads = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(threads)
 
 
 @pytest.fixture(scope="module")

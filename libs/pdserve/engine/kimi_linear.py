@@ -37,7 +37,7 @@ from pdserve.engine.device import CPU
 from pdserve.engine.forward_batch import ForwardBatch
 from pdserve.engine.kimi_linear_config import KDA, SPARSE, KimiLinearConfig
 from pdserve.engine.linear import Linear, fused
-from pdserve.engine.model_family import CacheSpec, LayerHook
+from pdserve.engine.model_family import CacheSpec, LayerHook, placed
 from pdserve.engine.state_pool import StateLayout, StatePool, StateTensor
 from pdserve.kernels.gated_delta_rule import gated_delta_rule_chunked, gated_delta_rule_step, l2_normalize
 from pdserve.kernels.mla import MLAWeights, mla_attention, split_up_proj, store_latent
@@ -186,10 +186,7 @@ class KimiLinearModel:
         self.config = config
         self.device = torch.device(device)
         self.dtype = dtype
-
-        def weight(name: str) -> torch.Tensor:
-            return weights[name].to(device=self.device, dtype=dtype)
-
+        weight = placed(weights, self.device, dtype)
         self.embed = weight("model.embed_tokens.weight")
         self.layers: list[_Layer] = []
         num_state = num_paged = 0

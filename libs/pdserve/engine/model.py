@@ -17,7 +17,7 @@ from pdserve.engine.device import CPU
 from pdserve.engine.forward_batch import ForwardBatch
 from pdserve.engine.linear import Linear, fused
 from pdserve.engine.model_config import LlamaConfig
-from pdserve.engine.model_family import CacheSpec, LayerHook
+from pdserve.engine.model_family import CacheSpec, LayerHook, placed
 from pdserve.engine.state_pool import StatePool
 from pdserve.kernels.paged_attention import paged_attention, store_kv
 from pdserve.kernels.rms_norm import rms_norm
@@ -58,10 +58,7 @@ class LlamaModel:
         self.config = config
         self.device = torch.device(device)
         self.dtype = dtype
-
-        def weight(name: str) -> torch.Tensor:
-            return weights[name].to(device=self.device, dtype=dtype)
-
+        weight = placed(weights, self.device, dtype)
         self.embed = weight("model.embed_tokens.weight")
         self.layers = [_Layer(weight, i) for i in range(config.num_layers)]
         self.final_norm = weight("model.norm.weight")

@@ -60,3 +60,14 @@ class EngineModel(Protocol):
         per paged layer once its KV is stored; return the logits of rows `batch.logits_indices`,
         [num_seqs, vocab_size] fp32."""
         ...
+
+
+def placed(weights: dict[str, torch.Tensor], device: torch.device, dtype: torch.dtype
+           ) -> Callable[[str], torch.Tensor]:
+    """A lookup of `weights` by HF name that returns each tensor on `device` in `dtype` (the tensor itself
+    when it already is). Raises KeyError for a missing name."""
+
+    def weight(name: str) -> torch.Tensor:
+        return weights[name].to(device=device, dtype=dtype)
+
+    return weight
