@@ -66,6 +66,9 @@ class CommonSettings(BaseSettings):
     )
     var_dir: Path = Field(Path("var"), description="Logs (var/log), traces (var/traces), state (var/run).")
     events_stream: str = Field("PDS_EVENTS", description="JetStream stream holding every lifecycle event.")
+    events_replicas: int = Field(
+        1, ge=1, le=5, description="Replicas of the events stream when a process creates it (3 on a 3-node "
+        "NATS cluster, deploy/k8s); a stream that exists already is left as it is.")
     subject_prefix: str = Field(
         "pds", description="First token of every NATS subject; tests use their own to share one server."
     )
