@@ -272,3 +272,15 @@ def test_no_secret_is_in_the_repository():
     ignored = subprocess.run(["git", "check-ignore", "-q", "deploy/k8s/overlays/colocated/secrets/x.env"],
                              cwd=ROOT)
     assert ignored.returncode == 0
+
+
+def test_make_k8s_secrets_again_keeps_every_password(tmp_path):
+    out = tmp_path / "secrets"
+    args = ["nats-users", "--mode", "colocated", "--kubernetes", "--out", str(out)]
+    assert pdserve(args) == 0
+    first = {p.name: p.read_text() for p in out.iterdir()}
+    assert pdserve(args) == 0  # a second `make k8s-secrets` must not lock running pods out
+    assert {p.name: p.read_text() for p in out.iterdir()} == first
+    assert all(p.stat().st_mode & 0o777 == 0o600 for p in out.iterdir())
+    assert set(first) == {"nats-users.json", "nats-auth.conf", "nats-passwords.env", "nats-workers.json",
+                          "grafana.env"}
