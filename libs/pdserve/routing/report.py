@@ -18,6 +18,7 @@ from collections.abc import Iterable, Sequence
 from dataclasses import dataclass, field
 
 from pdserve.events import Event
+from pdserve.routing.kv_index import TIER_RANK
 
 
 @dataclass
@@ -54,7 +55,8 @@ def _sum_tiers(rows: Iterable[dict[str, int]]) -> dict[str, int]:
     for row in rows:
         for k, v in row.items():
             out[k] = out.get(k, 0) + v
-    return dict(sorted(out.items()))
+    rank = {t: i for i, t in enumerate(TIER_RANK)}
+    return dict(sorted(out.items(), key=lambda kv: (rank.get(kv[0], len(rank)), kv[0])))  # pool first
 
 
 def fold_routed(events: Iterable[Event]) -> list[RoutedRequest]:
