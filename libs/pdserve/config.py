@@ -266,6 +266,13 @@ class WorkerSettings(CommonSettings, ModelSettings):
         "pool that keeps full cached blocks the pool evicts, LRU, checksummed "
         "(engine/kv_tiers/host_tier.py); 0 = no offload tier. Memory: blocks x block_size x KV bytes per "
         "token (SmolLM2 fp32: 720 KiB a block).")
+    kv_disk_blocks: int = Field(
+        0, ge=0, description="Capacity in blocks of the worker's disk tier, below the offload tier: one file "
+        "per block under kv_disk_dir/<worker_id>, LRU, checksummed (engine/kv_tiers/disk_tier.py); 0 = no "
+        "disk tier.")
+    kv_disk_dir: Path | None = Field(
+        None, description="Where the disk tiers keep their files (a folder per worker, emptied at its "
+        "start); None = <var_dir>/kv-disk.")
 
 
 class RecorderSettings(CommonSettings):
