@@ -192,6 +192,22 @@ class RouterSettings(CommonSettings):
         600.0, description="The router's own record of a placed request is dropped after this long even "
         "if its end was never seen (a lost event must not leak load).")
     seed: int | None = Field(None, description="Seed of the random and temperature sampling (None = OS).")
+    prefill_s_per_token: float = Field(
+        4.8e-3, gt=0, description="Prefill cost per prompt token, seconds, against which a block held in a "
+        "tier below a worker's pool is weighed: such a block counts 1 − copy_s_per_token / "
+        "prefill_s_per_token of a pool block in the kv cost (routing/policy.py `tier_weights`). Default: "
+        "SmolLM2-135M fp32 on one core of this machine, median prefill_s / computed tokens in "
+        "docs/benchmarks/kv_tiers.md (benchmarks/kv_tiers.py measures both figures again).")
+    offload_copy_s_per_token: float = Field(
+        2.1e-4, ge=0, description="Cost per token of copying a block back from a worker's offload tier "
+        "(host memory: copy, checksum, scatter into the pool's layers), seconds; default measured in "
+        "docs/benchmarks/kv_tiers.md (SmolLM2 fp32, 720 KiB a block: 3.4 ms under shared load).")
+    disk_copy_s_per_token: float = Field(
+        3e-4, ge=0, description="The same for a disk tier (a file read and checksum), seconds per token.")
+    store_copy_s_per_token: float = Field(
+        4e-4, ge=0, description="The same for the shared store (a network read, ~1-2 GB/s over Mooncake's "
+        "TCP protocol here, plus a round trip per block), seconds per token; configured above the offload "
+        "tier's so a block only in the store counts less than one in a worker's own offload tier.")
 
 
 class CoordinatorSettings(CommonSettings):
@@ -248,6 +264,18 @@ class WorkerSettings(CommonSettings, ModelSettings):
     max_num_batched_tokens: int = Field(
         512, description="Tokens per engine step (decode tokens + prefill chunks): chunked-prefill budget.")
     max_num_seqs: int = Field(64, description="Sequences in one worker's running batch at most.")
+    kv_offload_blocks: int = Field(
+        0, ge=0, description="Capacity in blocks of the worker's offload tier: host memory below the paged "
+        "pool that keeps full cached blocks the pool evicts, LRU, checksummed "
+        "(engine/kv_tiers/host_tier.py); 0 = no offload tier. Memory: blocks x block_size x KV bytes per "
+        "token (SmolLM2 fp32: 720 KiB a block).")
+    kv_disk_blocks: int = Field(
+        0, ge=0, description="Capacity in blocks of the worker's disk tier, below the offload tier: one file "
+        "per block under kv_disk_dir/<worker_id>, LRU, checksummed (engine/kv_tiers/disk_tier.py); 0 = no "
+        "disk tier.")
+    kv_disk_dir: Path | None = Field(
+        None, description="Where the disk tiers keep their files (a folder per worker, emptied at its "
+        "start); None = <var_dir>/kv-disk.")
 
 
 class RecorderSettings(CommonSettings):
