@@ -137,8 +137,10 @@ class GatewaySettings(CommonSettings, ModelSettings):
     request_timeout_s: float = Field(300.0, description="Upper bound on one request, end to end.")
     max_model_len: int = Field(2048, description="Prompt + output tokens per request; longer: 400.")
     token_gap_timeout_s: float = Field(
-        5.0, description="How long a hole in a request's token stream may stay open before it fails."
-    )
+        10.0, description="How long a hole in a request's token stream may stay open before it fails. While "
+        "it is open the request's journal (TokensCommitted in JetStream) is read every second to fill it: "
+        "a chunk lost with a NATS server of a cluster is filled once the next commit is stored, which a "
+        "publisher whose server died retries after its 5 s JetStream timeout, hence 10 s (5 s before).")
     cached_tokens_wait_s: float = Field(
         1.0, description="Longest wait, at a request's end, for its PrefillCompleted (usage.cached_tokens).")
     read_your_writes_wait_s: float = Field(
