@@ -49,8 +49,13 @@ def tiny_reference(tmp_path_factory):
     return LlamaModel(loaded.config, loaded.weights), loaded.tokenizer
 
 
-async def no_event_lost(store, stream: str) -> None:
-    """The event log (Postgres) holds exactly the events the stream holds: none lost, none twice."""
+async def no_event_lost(store, stack: HostStack) -> None:
+    """No service gave up publishing an event (`Bus._publish_event` logs each it could not store), and the
+    event log (Postgres) holds exactly the events the stream holds: none lost, none twice."""
+    for spec in stack.plan:
+        log = (stack.var_dir / f"{spec.name}.log").read_text(errors="replace")
+        assert " lost after " not in log, spec.name
+    stream = stack.settings.events_stream
     db, bus = store
     info = await bus.js.stream_info(stream)
     async with db.connect() as conn:
@@ -71,7 +76,7 @@ async def test_nats_server_killed_under_load_loses_no_request_and_no_event(
             lifecycles = await recorded_lifecycles(store, [r.request_id for r in results])
             check_results(results, expected_outputs(tiny_reference, PROMPTS, MAX_TOKENS), tiny_reference[1],
                           lifecycles)
-            await no_event_lost(store, stack.settings.events_stream)
+            await no_event_lost(store, stack)
         finally:
             await asyncio.to_thread(nats_cluster.restart, victim)
             await asyncio.to_thread(nats_cluster.wait_jetstream)
@@ -99,7 +104,7 @@ async def test_decode_host_link_cut_mid_stream_migrates_its_requests_with_identi
         lifecycles = await recorded_lifecycles(store, [r.request_id for r in results])
         check_results(results, expected_outputs(tiny_reference, PROMPTS, MAX_TOKENS), tiny_reference[1],
                       lifecycles)
-        await no_event_lost(store, stack.settings.events_stream)
+        await no_event_lost(store, stack)
     migrated = [rid for rid, evs in lifecycles.items() if any(
         e.type == "RequestMigrated" and e.payload["from_worker_id"] == "decode-0" for e in evs)]
     assert migrated, "no request was decoding on the decode host when its link was cut"
