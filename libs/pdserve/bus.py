@@ -86,7 +86,7 @@ class Bus:
             log.warning("%s: reconnected to NATS", service)
 
         nc = await nats.connect(
-            settings.nats_url,
+            settings.nats_servers,
             **settings.nats_credentials(),
             name=service,
             max_reconnect_attempts=-1,
@@ -100,8 +100,8 @@ class Bus:
         return bus
 
     async def ensure_events_stream(self) -> None:
-        """Create the events stream if absent, with `settings.events_replicas` replicas. File storage: a
-        server restart keeps unrecorded events."""
+        """Create the events stream if absent. File storage: a server restart keeps unrecorded events;
+        `events_replicas` copies on a cluster: the loss of a server keeps them too."""
         config = StreamConfig(
             name=self.settings.events_stream,
             subjects=[self.subjects.all_events],
