@@ -23,7 +23,10 @@ def test_every_link_has_its_sources_and_positive_figures():
 def test_measured_bandwidth_is_placed_against_the_fabric_links():
     here = classify(4.15)  # ucxx shared memory on this machine, 256 MiB
     assert (here.nearest.name, here.fastest_reached.name, here.rdma_class) == (
-        "Ethernet 25G (TCP)", "Ethernet 25G (TCP)", False)
+        "Ethernet 25G (TCP)",
+        "Ethernet 25G (TCP)",
+        False,
+    )
     ib = classify(49.0)
     assert (ib.nearest.name, ib.fastest_reached.name, ib.rdma_class) == ("InfiniBand NDR", "RoCE 400G", True)
     assert classify(1.0).fastest_reached is None

@@ -57,123 +57,151 @@ _NVLINK_FRACTION = 370.0 / 450.0
 
 LINKS: tuple[Link, ...] = (
     Link(
-        name="NVLink 5", kind="nvlink",
+        name="NVLink 5",
+        kind="nvlink",
         line_rate_GB_s=900.0,
-        line_rate_source="NVIDIA Blackwell (B200/GB200) datasheet: NVLink 5 1.8 TB/s per GPU, both directions",
+        line_rate_source="NVIDIA Blackwell (B200/GB200) datasheet: NVLink 5 1.8 TB/s per GPU, "
+        "both directions",
         achievable_GB_s=round(900.0 * _NVLINK_FRACTION, 1),
         achievable_source="line rate × 370/450, NVLink 4's planning fraction in " + _CHECKLIST,
         latency_s=2e-6,
         latency_source="order of a few µs GPU to GPU through NVSwitch (NCCL small-message latency)",
-        rdma_class=True),
+        rdma_class=True,
+    ),
     Link(
-        name="NVLink 4", kind="nvlink",
+        name="NVLink 4",
+        kind="nvlink",
         line_rate_GB_s=450.0,
         line_rate_source="NVIDIA H100 SXM datasheet: NVLink 4 900 GB/s per GPU, both directions",
         achievable_GB_s=370.0,
         achievable_source=_CHECKLIST + ": 'NVLink (same node): 370 GB/s'",
         latency_s=2e-6,
         latency_source="order of a few µs GPU to GPU through NVSwitch (NCCL small-message latency)",
-        rdma_class=True),
+        rdma_class=True,
+    ),
     Link(
-        name="PCIe 5.0 x16", kind="pcie",
+        name="PCIe 5.0 x16",
+        kind="pcie",
         line_rate_GB_s=63.0,
         line_rate_source="PCI-SIG PCIe 5.0: 32 GT/s × 16 lanes × 128/130 coding / 8 = 63.0 GB/s",
         achievable_GB_s=63.0,
         achievable_source="line rate (no achieved figure taken: an upper bound)",
         latency_s=1e-6,
         latency_source="order of 1 µs host to device round trip (PCIe TLP + DMA setup)",
-        rdma_class=False),
+        rdma_class=False,
+    ),
     Link(
-        name="PCIe 4.0 x16", kind="pcie",
+        name="PCIe 4.0 x16",
+        kind="pcie",
         line_rate_GB_s=31.5,
         line_rate_source="PCI-SIG PCIe 4.0: 16 GT/s × 16 lanes × 128/130 coding / 8 = 31.5 GB/s",
         achievable_GB_s=31.5,
         achievable_source="line rate (no achieved figure taken: an upper bound)",
         latency_s=1e-6,
         latency_source="order of 1 µs host to device round trip (PCIe TLP + DMA setup)",
-        rdma_class=False),
+        rdma_class=False,
+    ),
     Link(
-        name="InfiniBand NDR", kind="infiniband",
+        name="InfiniBand NDR",
+        kind="infiniband",
         line_rate_GB_s=50.0,
         line_rate_source="InfiniBand NDR 400 Gb/s per port (NVIDIA ConnectX-7 / Quantum-2) / 8",
         achievable_GB_s=50.0,
         achievable_source=_CHECKLIST + ": 'InfiniBand NDR (400G): 50 GB/s'",
         latency_s=1e-6,
         latency_source="NVIDIA ConnectX-7 product brief: RDMA latency under 1 µs end to end (order of)",
-        rdma_class=True),
+        rdma_class=True,
+    ),
     Link(
-        name="InfiniBand HDR", kind="infiniband",
+        name="InfiniBand HDR",
+        kind="infiniband",
         line_rate_GB_s=25.0,
         line_rate_source="InfiniBand HDR 200 Gb/s per port (NVIDIA ConnectX-6 / Quantum) / 8",
         achievable_GB_s=25.0,
         achievable_source="line rate, as the checklist plans NDR at its line rate",
         latency_s=1e-6,
         latency_source="NVIDIA ConnectX-6 product brief: sub-600 ns adapter latency; ~1 µs through a switch",
-        rdma_class=True),
+        rdma_class=True,
+    ),
     Link(
-        name="RoCE 400G", kind="roce",
+        name="RoCE 400G",
+        kind="roce",
         line_rate_GB_s=50.0,
         line_rate_source="IEEE 802.3bs 400GbE / 8",
         achievable_GB_s=round(50.0 * 12.0 / 12.5, 1),
         achievable_source="line rate × 12/12.5, RoCE 100G's planning fraction in " + _CHECKLIST,
         latency_s=2e-6,
         latency_source="order of 2 µs RoCEv2 one-way through one switch (ConnectX class NICs)",
-        rdma_class=True),
+        rdma_class=True,
+    ),
     Link(
-        name="RoCE 200G", kind="roce",
+        name="RoCE 200G",
+        kind="roce",
         line_rate_GB_s=25.0,
         line_rate_source="IEEE 802.3bs 200GbE / 8",
         achievable_GB_s=round(25.0 * 12.0 / 12.5, 1),
         achievable_source="line rate × 12/12.5, RoCE 100G's planning fraction in " + _CHECKLIST,
         latency_s=2e-6,
         latency_source="order of 2 µs RoCEv2 one-way through one switch (ConnectX class NICs)",
-        rdma_class=True),
+        rdma_class=True,
+    ),
     Link(
-        name="RoCE 100G", kind="roce",
+        name="RoCE 100G",
+        kind="roce",
         line_rate_GB_s=12.5,
         line_rate_source="IEEE 802.3ba/bj 100GbE / 8",
         achievable_GB_s=12.0,
         achievable_source=_CHECKLIST + ": 'RoCE 100G: 12 GB/s'",
         latency_s=2e-6,
         latency_source="order of 2 µs RoCEv2 one-way through one switch (ConnectX class NICs)",
-        rdma_class=True),
+        rdma_class=True,
+    ),
     Link(
-        name="Ethernet 100G (TCP)", kind="ethernet",
+        name="Ethernet 100G (TCP)",
+        kind="ethernet",
         line_rate_GB_s=12.5,
         line_rate_source="IEEE 802.3ba/bj 100GbE / 8",
         achievable_GB_s=12.0,
         achievable_source="line rate × 12/12.5, the checklist's 100G planning fraction (many TCP streams)",
         latency_s=25e-6,
         latency_source="order of 25 µs through the kernel TCP stack and one switch",
-        rdma_class=False),
+        rdma_class=False,
+    ),
     Link(
-        name="Ethernet 25G (TCP)", kind="ethernet",
+        name="Ethernet 25G (TCP)",
+        kind="ethernet",
         line_rate_GB_s=3.125,
         line_rate_source="IEEE 802.3by 25GbE / 8",
         achievable_GB_s=3.0,
         achievable_source=_CHECKLIST + ": 'Ethernet 25G (no RDMA): 3 GB/s'",
         latency_s=25e-6,
         latency_source="order of 25 µs through the kernel TCP stack and one switch",
-        rdma_class=False),
+        rdma_class=False,
+    ),
     Link(
-        name="UCX shared memory (this machine)", kind="loopback",
+        name="UCX shared memory (this machine)",
+        kind="loopback",
         line_rate_GB_s=12.5,
         line_rate_source="numpy memcpy 256 MiB measured in the same run (docs/benchmarks/transfer.md)",
         achievable_GB_s=4.15,
-        achievable_source="pdserve's ucxx transport, 256 MiB as 32 checksummed layers (docs/benchmarks/transfer.md)",
+        achievable_source="pdserve's ucxx transport, 256 MiB as 32 checksummed layers "
+        "(docs/benchmarks/transfer.md)",
         latency_s=1e-6,
         latency_source="order of 1 µs per message for UCX's shared-memory transports (ucx_perftest)",
-        rdma_class=True),
+        rdma_class=True,
+    ),
     Link(
-        name="loopback TCP (this machine)", kind="loopback",
+        name="loopback TCP (this machine)",
+        kind="loopback",
         line_rate_GB_s=12.5,
         line_rate_source="numpy memcpy 256 MiB measured in the same run (docs/benchmarks/transfer.md)",
         achievable_GB_s=2.82,
         achievable_source="pdserve's asyncio TCP transport, 256 MiB as 32 checksummed layers "
-                          "(docs/benchmarks/transfer.md)",
+        "(docs/benchmarks/transfer.md)",
         latency_s=10e-6,
         latency_source="order of 10 µs per round trip over the Linux loopback device",
-        rdma_class=False),
+        rdma_class=False,
+    ),
 )
 
 # The four rows of the checklist's transfer table, in its order.
@@ -194,9 +222,9 @@ class LinkMatch(BaseModel):
     model_config = ConfigDict(frozen=True)
 
     measured_GB_s: float
-    nearest: Link           # smallest |log(measured / achievable)|
+    nearest: Link  # smallest |log(measured / achievable)|
     fastest_reached: Link | None  # the fastest link whose achievable bandwidth ≤ measured (None: below all)
-    rdma_class: bool        # measured ≥ the slowest RDMA-class fabric link's achievable (RoCE 100G)
+    rdma_class: bool  # measured ≥ the slowest RDMA-class fabric link's achievable (RoCE 100G)
 
 
 def classify(measured_GB_s: float) -> LinkMatch:
@@ -210,5 +238,9 @@ def classify(measured_GB_s: float) -> LinkMatch:
     reached = [c for c in fabric if c.achievable_GB_s <= measured_GB_s]
     fastest = max(reached, key=lambda c: c.achievable_GB_s) if reached else None
     slowest_rdma = min((c for c in fabric if c.rdma_class), key=lambda c: c.achievable_GB_s)
-    return LinkMatch(measured_GB_s=measured_GB_s, nearest=nearest, fastest_reached=fastest,
-                     rdma_class=measured_GB_s >= slowest_rdma.achievable_GB_s)
+    return LinkMatch(
+        measured_GB_s=measured_GB_s,
+        nearest=nearest,
+        fastest_reached=fastest,
+        rdma_class=measured_GB_s >= slowest_rdma.achievable_GB_s,
+    )
