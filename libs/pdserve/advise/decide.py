@@ -414,7 +414,9 @@ def advise(
             + "; ".join(f"{v.name} ({v.because})" for v in warranted)
         )
     else:
-        verdict = f"not yet: stay at stage {stage} ({stages[stage - 1].name})"
+        where = stages[stage - 1]
+        placed = ", in place" if where.status == "in place" else ""
+        verdict = f"not yet: stay at stage {stage} ({where.name}{placed})"
     return Advice(
         stage=stage,
         verdict=verdict,
