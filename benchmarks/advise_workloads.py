@@ -156,12 +156,33 @@ def run_pools(name: str, n_in: int, n_out: int, args, env: dict[str, str], tag: 
                 f"{s['latency_ms']['itl']['p99']:.0f} ms; advise: stage {a.stage} ({a.verdict})",
                 flush=True,
             )
+    return judge_pools(out)
+
+
+def judge_pools(out: dict) -> dict:
+    """The measured winner between stage 1 (colocated) and stage 3 (disaggregated), and whether advise's
+    stage-3 verdict on the colocated log picks it. Disaggregation wins at goodput ≥ 1.1 × colocated's; when
+    neither stack met the SLO for a single request (goodput cannot tell them apart), it wins when its TTFT
+    p50 and TPOT p50 are both ≤ 1/1.1 of colocated's."""
     co, di = (out["modes"][m]["bench"] for m in ("colocated", "disaggregated"))
-    ratio = (di["request_goodput"] or 0) / co["request_goodput"] if co["request_goodput"] else float("inf")
-    out["goodput_ratio_disagg_over_colocated"] = ratio
-    out["measured_winner_stage"] = 3 if ratio >= 1.1 else 1
+    g_co, g_di = co["request_goodput"] or 0.0, di["request_goodput"] or 0.0
+    lat = {k: di["latency_ms"][k]["p50"] / co["latency_ms"][k]["p50"] for k in ("ttft", "tpot")}
+    out["latency_p50_ratio_disagg_over_colocated"] = lat
+    if g_co > 0:
+        out["goodput_ratio_disagg_over_colocated"] = g_di / g_co
+        out["criterion"] = "goodput"
+        wins = g_di / g_co >= 1.1
+    elif g_di > 0:
+        out["goodput_ratio_disagg_over_colocated"], out["criterion"], wins = float("inf"), "goodput", True
+    else:
+        out["goodput_ratio_disagg_over_colocated"] = None
+        out["criterion"] = "TTFT p50 and TPOT p50 (no request of either stack met the SLO)"
+        wins = lat["ttft"] <= 1 / 1.1 and lat["tpot"] <= 1 / 1.1
+    out["measured_winner_stage"] = 3 if wins else 1
+    s3 = next(v for v in out["modes"]["colocated"]["advice"]["stages"] if v["stage"] == 3)
     out["advised_stage"] = out["modes"]["colocated"]["advice"]["stage"]
-    out["agree"] = out["advised_stage"] == out["measured_winner_stage"]
+    out["advised_between_1_and_3"] = 3 if s3["status"] == "warranted" else 1
+    out["agree"] = out["advised_between_1_and_3"] == out["measured_winner_stage"]
     return out
 
 
@@ -289,20 +310,25 @@ def markdown(results: dict) -> str:
         m = co["advice"]["measurements"]
         decided = [c for c in co["advice"]["checks"] if c["stage"] == 3 and c["answer"] != "unknown"]
         why = "; ".join(f"{c['question'].split('?')[0]}: {c['answer']} ({c['because']})" for c in decided[:4])
+        judge_pools(w)
         g = lambda b: b["request_goodput"] or 0.0  # noqa: E731
+        ratio = w["goodput_ratio_disagg_over_colocated"]
+        lat = w["latency_p50_ratio_disagg_over_colocated"]
         meas = (
-            f"disaggregated ÷ colocated goodput {w['goodput_ratio_disagg_over_colocated']:.2f}× "
+            f"disaggregated ÷ colocated: goodput {'—' if ratio is None else f'{ratio:.2f}×'} "
             f"({g(di['bench']):.3f} vs {g(co['bench']):.3f} req/s at TTFT ≤ "
             f"{results['slo_ms']['ttft']:g} ms, "
-            f"TPOT ≤ {results['slo_ms']['tpot']:g} ms); TTFT p50 "
-            f"{dl['ttft']['p50']:.0f} vs {co['bench']['latency_ms']['ttft']['p50']:.0f} "
-            f"ms; ITL p99/p50 {dl['itl']['p99'] / dl['itl']['p50']:.1f}"
-            f" vs {m['itl_p99_over_p50']['value']:.1f}"
+            f"TPOT ≤ {results['slo_ms']['tpot']:g} ms); TTFT p50 {lat['ttft']:.2f}× "
+            f"({dl['ttft']['p50']:.0f} vs {co['bench']['latency_ms']['ttft']['p50']:.0f} ms), TPOT p50 "
+            f"{lat['tpot']:.2f}×; ITL p99/p50 {dl['itl']['p99'] / dl['itl']['p50']:.1f} vs "
+            f"{m['itl_p99_over_p50']['value']:.1f}; decided on {w['criterion']}"
         )
+        s3 = next(v for v in co["advice"]["stages"] if v["stage"] == 3)
         lines.append(
             f"| {w['workload']} ({w['input_len']} in : {w['output_len']} out, {w['num_prompts']} requests "
             f"at {w['request_rate']:g}/s) | colocated vs disaggregated ({w['model']}) | stage "
-            f"{w['advised_stage']} | {why} | {meas} | stage {w['measured_winner_stage']} | "
+            f"{w['advised_stage']}; stage 3 {s3['status']} | {why} | {meas} | "
+            f"stage {w['measured_winner_stage']} | "
             f"{'yes' if w['agree'] else 'no'} |"
         )
     return "\n".join(lines) + "\n"
@@ -324,9 +350,15 @@ def plot(results: dict, path: Path) -> None:
             vals.append(1 / w["ttft_p50_kv_over_rr"])
             colours += ["#2ca02c" if w["advised_stage"] == 4 else "#1f77b4"] * 2
         else:
-            names.append(f"{w['workload']}: disagg ÷ coloc\ngoodput")
-            vals.append(w["goodput_ratio_disagg_over_colocated"])
-            colours.append("#d62728" if w["advised_stage"] == 3 else "#1f77b4")
+            judge_pools(w)
+            ratio = w["goodput_ratio_disagg_over_colocated"]
+            if ratio is None:  # no goodput on either: the TTFT ratio, inverted so > 1 favours disaggregation
+                names.append(f"{w['workload']}: coloc ÷ disagg\nTTFT p50")
+                vals.append(1 / w["latency_p50_ratio_disagg_over_colocated"]["ttft"])
+            else:
+                names.append(f"{w['workload']}: disagg ÷ coloc\ngoodput")
+                vals.append(min(ratio, 10.0))
+            colours.append("#d62728" if w["advised_between_1_and_3"] == 3 else "#1f77b4")
     ax.bar(names, vals, color=colours)
     ax.axhline(1.0, color="grey", lw=0.8)
     ax.axhline(1.1, color="grey", ls=":", lw=0.8)
