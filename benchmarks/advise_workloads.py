@@ -341,32 +341,37 @@ def plot(results: dict, path: Path) -> None:
     import matplotlib.pyplot as plt
 
     fig, ax = plt.subplots(figsize=(8, 3.5))
-    names, vals, colours = [], [], []
+    names, vals, colours, labels = [], [], [], []
     for w in results["workloads"]:
         if w["workload"] == "agentic":
             names.append("agentic: kv ÷ rr\nhit rate")
             vals.append(w["hit_rate_kv_over_rr"])
+            labels.append(f"{vals[-1]:.2f}×")
             names.append("agentic: rr ÷ kv\nTTFT p50")
             vals.append(1 / w["ttft_p50_kv_over_rr"])
+            labels.append(f"{vals[-1]:.2f}×")
             colours += ["#2ca02c" if w["advised_stage"] == 4 else "#1f77b4"] * 2
         else:
             judge_pools(w)
             ratio = w["goodput_ratio_disagg_over_colocated"]
             if ratio is None:  # no goodput on either: the TTFT ratio, inverted so > 1 favours disaggregation
-                names.append(f"{w['workload']}: coloc ÷ disagg\nTTFT p50")
+                names.append(f"{w['workload']}: coloc ÷ disagg\nTTFT p50 (no goodput)")
                 vals.append(1 / w["latency_p50_ratio_disagg_over_colocated"]["ttft"])
+                labels.append(f"{vals[-1]:.2f}×")
             else:
                 names.append(f"{w['workload']}: disagg ÷ coloc\ngoodput")
                 vals.append(min(ratio, 10.0))
+                labels.append(f"{ratio:.2f}×" if ratio < 10 else "colocated: 0 req/s")
             colours.append("#d62728" if w["advised_between_1_and_3"] == 3 else "#1f77b4")
     ax.bar(names, vals, color=colours)
     ax.axhline(1.0, color="grey", lw=0.8)
     ax.axhline(1.1, color="grey", ls=":", lw=0.8)
-    for i, v in enumerate(vals):
-        ax.text(i, v, f"{v:.2f}×", ha="center", va="bottom", fontsize=8)
+    for i, (v, label) in enumerate(zip(vals, labels, strict=True)):
+        ax.text(i, v, label, ha="center", va="bottom", fontsize=8)
     ax.set_ylabel("candidate ÷ baseline (same run)")
     ax.set_title(
-        "measured benefit of the next stage; colour = advise's stage (red 3, green 4, blue 1)", fontsize=9
+        "measured benefit of the next stage (> 1: it pays); colour = advise's pick (red 3, green 4, blue 1)",
+        fontsize=9,
     )
     ax.tick_params(axis="x", labelsize=8)
     fig.tight_layout()
