@@ -321,3 +321,25 @@ def test_cli_prints_the_advice_as_json(logged, capsys, tmp_path):
     out = json.loads(capsys.readouterr().out)
     assert out["stage"] == 3 and out["measurements"]["prompt_to_output_ratio"]["source"].startswith("Σ")
     assert (tmp_path / "a.png").stat().st_size > 10_000
+
+
+def test_replicas_without_a_shared_prefix_do_not_warrant_stage_4():
+    log = []
+    for i in range(4):  # round robin over 2 replicas, every prompt its own: the perfect router hits nothing
+        hashes = hash_blocks([9000 + 100 * i + j for j in range(64)], 16)
+        log += _request(
+            T0 + i,
+            64,
+            4,
+            "disaggregated",
+            f"prefill-{i % 2}",
+            "decode-0",
+            0.05,
+            prefill={"cached": 0, "best": 0, "policy": "round_robin"},
+            transfer=(64 * 512, 0.001),
+            hashes=hashes,
+        )
+    a = advise(measure(log), model_spec("tiny", None, None), SHM, 2, 12e9, "test: 12 GB")
+    assert a.measurements["router_ceiling_hit_rate"].value == 0.0
+    assert (a.stage, a.stages[3].status) == (3, "not yet")
+    assert a.stages[3].because.startswith("no prefix the replicas could share")
