@@ -466,7 +466,9 @@ def main() -> int:
         write(merged(results))
     for path in (f"{STEM}.json", f"{STEM}.md", f"{STEM}.png"):
         print(f"wrote docs/benchmarks/{path}")
-    return 0 if all(w["agree"] for w in results["workloads"]) else 1
+    agree = sum(bool(w["agree"]) for w in results["workloads"])
+    print(f"advise agrees with the measurement on {agree} of {len(results['workloads'])} workloads")
+    return 0  # a disagreement is a result (docs/advise.md), not a failed run
 
 
 if __name__ == "__main__":
