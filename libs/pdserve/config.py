@@ -196,6 +196,19 @@ class RouterSettings(CommonSettings):
         600.0, description="The router's own record of a placed request is dropped after this long even "
         "if its end was never seen (a lost event must not leak load).")
     seed: int | None = Field(None, description="Seed of the random and temperature sampling (None = OS).")
+    prefill_s_per_token: float = Field(
+        1.5e-3, gt=0, description="Prefill cost per prompt token, seconds, against which a block held in a "
+        "tier below a worker's pool is weighed: such a block counts 1 − copy_s_per_token / "
+        "prefill_s_per_token of a pool block in the kv cost (routing/policy.py `tier_weights`). Default: "
+        "SmolLM2-135M fp32 on one core of this machine, measured by benchmarks/kv_tiers.py.")
+    offload_copy_s_per_token: float = Field(
+        2e-5, ge=0, description="Cost per token of copying a block back from a worker's offload tier (host "
+        "memory), seconds; default measured by benchmarks/kv_tiers.py (SmolLM2 fp32, 45 KiB/token).")
+    disk_copy_s_per_token: float = Field(
+        1e-4, ge=0, description="The same for a disk tier (a file read and checksum), seconds per token.")
+    store_copy_s_per_token: float = Field(
+        1e-4, ge=0, description="The same for the shared store (a network read: ~1 GB/s over Mooncake's TCP "
+        "protocol here, 45 KiB/token), seconds per token.")
 
 
 class CoordinatorSettings(CommonSettings):
@@ -252,6 +265,11 @@ class WorkerSettings(CommonSettings, ModelSettings):
     max_num_batched_tokens: int = Field(
         512, description="Tokens per engine step (decode tokens + prefill chunks): chunked-prefill budget.")
     max_num_seqs: int = Field(64, description="Sequences in one worker's running batch at most.")
+    kv_offload_blocks: int = Field(
+        0, ge=0, description="Capacity in blocks of the worker's offload tier: host memory below the paged "
+        "pool that keeps full cached blocks the pool evicts, LRU, checksummed "
+        "(engine/kv_tiers/host_tier.py); 0 = no offload tier. Memory: blocks x block_size x KV bytes per "
+        "token (SmolLM2 fp32: 720 KiB a block).")
     kv_store: KVStoreKind = Field(
         KVStoreKind.NONE, description="The shared KV store: 'none', or 'mooncake' (Mooncake Store at "
         "kv_store_url): every full block a worker computes is published there, a local miss read from it.")

@@ -24,7 +24,7 @@ truncates the hit there: the rest is recomputed, never read wrong.
 from __future__ import annotations
 
 from collections.abc import Sequence
-from typing import Literal, Protocol, runtime_checkable
+from typing import Literal, NamedTuple, Protocol, runtime_checkable
 
 import torch
 
@@ -34,9 +34,9 @@ WriteOn = Literal["evict", "compute"]
 
 @runtime_checkable
 class KVTier(Protocol):
-    """A tier of KV blocks keyed by chained block hash. Implementations must be safe to call from one
-    background thread while the engine's thread calls `lookup` (the engine never calls `put` / `get_into`
-    for the same tier from two threads at once)."""
+    """A tier of KV blocks keyed by chained block hash. Implementations must be thread-safe: `put` runs in
+    the tier set's writer thread (`tier_set.KVTierSet`) while the engine's thread calls `lookup` and
+    `get_into`."""
 
     name: str
     """"offload" | "disk" | "store": the label in events (`PrefillCompleted.cached_tokens_by_tier`), metrics
@@ -62,6 +62,25 @@ class KVTier(Protocol):
         """Copy the block held under `block_hash` into `out` (same shape and dtype as put). False on a miss,
         a checksum mismatch (the bad copy is dropped) or any error: the caller recomputes; `out`'s
         contents are then unspecified. Never raises."""
+        ...
+
+
+class TierChange(NamedTuple):
+    """One change to what a per-worker tier holds: `stored` True = `block_hash` now held, False = dropped
+    (LRU eviction, corrupt copy)."""
+
+    stored: bool
+    block_hash: int
+
+
+@runtime_checkable
+class ReportsChanges(Protocol):
+    """A tier that reports what it gained and lost, so the worker's KV events tell the router what it holds
+    (`BlockStored` / `BlockRemoved` with `tier` = the tier's name). Per-worker tiers (offload, disk)
+    implement it; a shared store reports its contents by its own means."""
+
+    def take_changes(self) -> list[TierChange]:
+        """Changes since the last call, oldest first."""
         ...
 
 

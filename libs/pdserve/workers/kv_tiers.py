@@ -1,0 +1,18 @@
+"""The KV tiers below a worker's paged pool, built from its settings, in lookup order (issue 16): the
+offload tier (host memory, `PDS_KV_OFFLOAD_BLOCKS`), then any shared store. A tier added later appends
+itself here."""
+
+from __future__ import annotations
+
+from pdserve.config import WorkerSettings
+from pdserve.engine.kv_tiers.host_tier import HostOffloadTier
+from pdserve.engine.kv_tiers.tier import KVTier
+
+
+def build_tiers(settings: WorkerSettings) -> list[KVTier]:
+    """The worker's tiers in lookup order; empty when none is configured."""
+    tiers: list[KVTier] = []
+    if settings.kv_offload_blocks > 0:
+        tiers.append(HostOffloadTier(settings.kv_offload_blocks))
+    return tiers
+
