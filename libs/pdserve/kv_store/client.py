@@ -69,7 +69,8 @@ class StoreFailed(Exception):
 
 
 class MooncakeClient:
-    """Bounded calls into one Mooncake Store (master at `url`). Thread-safe.
+    """Bounded calls into one Mooncake Store (master at `url`). Thread-safe. `local_host`: the address this
+    client gives its peers in the P2P handshake.
 
     `register(buffer)` names a contiguous CPU tensor that `put_from` / `get_into` move bytes through
     (Mooncake's zero-copy path needs registered memory); registration happens at setup, which runs
@@ -77,10 +78,11 @@ class MooncakeClient:
     Mooncake's result.
     """
 
-    def __init__(self, url: str, timeouts: StoreTimeouts = StoreTimeouts(), *,
+    def __init__(self, url: str, timeouts: StoreTimeouts | None = None, *, local_host: str = "127.0.0.1",
                  local_buffer_bytes: int = 16 << 20) -> None:
         self.address = master_address(url)
-        self.timeouts = timeouts
+        self.local_host = local_host
+        self.timeouts = timeouts or StoreTimeouts()
         self._local_buffer_bytes = local_buffer_bytes
         self._lanes: dict[Lane, ThreadPoolExecutor] = {
             lane: ThreadPoolExecutor(max_workers=1, thread_name_prefix=f"kv-store-{lane}")
@@ -128,7 +130,9 @@ class MooncakeClient:
         from mooncake.store import MooncakeDistributedStore
 
         store = MooncakeDistributedStore()
-        rc = store.setup("127.0.0.1", "P2PHANDSHAKE", 0, self._local_buffer_bytes, "tcp", "", self.address)
+        # global segment 0: this client lends the store no memory (module docstring)
+        rc = store.setup(self.local_host, "P2PHANDSHAKE", 0, self._local_buffer_bytes, "tcp", "",
+                         self.address)
         if rc != 0:
             raise StoreFailed("error", f"setup against {self.address} returned {rc}")
         for b in buffers:

@@ -20,12 +20,14 @@ from __future__ import annotations
 import hashlib
 import logging
 import struct
+import threading
 import time
 from collections.abc import Sequence
 
 import torch
 import xxhash
 
+from pdserve.engine.kv_tiers.tier import TierChange
 from pdserve.kv_store.client import OBJECT_NOT_FOUND, MooncakeClient, StoreFailed
 from pdserve.telemetry import metrics
 
@@ -55,6 +57,10 @@ class MooncakeStoreTier:
     `worker_id` labels the metrics: `pdserve:kv_store_bytes{op}`, `pdserve:kv_store_seconds{op}`,
     `pdserve:kv_store_failures{op,reason}` (op get | put | lookup; reason timeout | error | down | busy |
     checksum | full).
+
+    What this worker published (and what it found corrupt and dropped) it reports as `take_changes`, so
+    its KV events tell the router's index what the store holds (tier "store", shared by every worker:
+    `routing/kv_index.py`).
     """
 
     name = "store"
@@ -73,9 +79,21 @@ class MooncakeStoreTier:
         client.register(self._put_buf)
         client.register(self._get_buf)
         self.worker_id = worker_id
+        self._changes: list[TierChange] = []
+        self._changes_lock = threading.Lock()  # puts run on the engine's tier writer thread
         for op in ("get", "put"):
             metrics.KV_STORE_BYTES.labels(worker_id=worker_id, op=op)
             metrics.KV_STORE_SECONDS.labels(worker_id=worker_id, op=op)
+
+    def take_changes(self) -> list[TierChange]:
+        """Blocks this worker published (stored) or dropped as corrupt since the last call, oldest first."""
+        with self._changes_lock:
+            changes, self._changes = self._changes, []
+        return changes
+
+    def _changed(self, stored: bool, block_hash: int) -> None:
+        with self._changes_lock:
+            self._changes.append(TierChange(stored, block_hash))
 
     def _failed(self, op: str, reason: str) -> None:
         metrics.KV_STORE_FAILURES.labels(worker_id=self.worker_id, op=op, reason=reason).inc()
@@ -124,6 +142,7 @@ class MooncakeStoreTier:
             self._failed("put", "full")
             return
         self._observe("put", self.value_bytes, time.perf_counter() - started)
+        self._changed(True, block_hash)
 
     def get_into(self, block_hash: int, out: torch.Tensor) -> bool:
         """Copy the block under `block_hash` into `out` (this tier's shape and dtype, contiguous CPU) if the
@@ -142,6 +161,7 @@ class MooncakeStoreTier:
             log.warning("kv store: %s holds %d bytes, expected %d: dropped", key, n, self.value_bytes)
             self._failed("get", "checksum")
             self.client.remove(key)
+            self._changed(False, block_hash)
             return False
         magic, length, digest = HEADER.unpack(self._get_buf[:HEADER.size].numpy().tobytes())
         payload = self._get_buf[HEADER.size:]
@@ -150,6 +170,7 @@ class MooncakeStoreTier:
             log.warning("kv store: checksum mismatch for %s: dropped, recomputing", key)
             self._failed("get", "checksum")
             self.client.remove(key)
+            self._changed(False, block_hash)
             return False
         out.copy_(payload.view(self.dtype).view(self.block_shape))
         self._observe("get", self.value_bytes, time.perf_counter() - started)
