@@ -197,18 +197,21 @@ class RouterSettings(CommonSettings):
         "if its end was never seen (a lost event must not leak load).")
     seed: int | None = Field(None, description="Seed of the random and temperature sampling (None = OS).")
     prefill_s_per_token: float = Field(
-        1.5e-3, gt=0, description="Prefill cost per prompt token, seconds, against which a block held in a "
+        4.8e-3, gt=0, description="Prefill cost per prompt token, seconds, against which a block held in a "
         "tier below a worker's pool is weighed: such a block counts 1 − copy_s_per_token / "
         "prefill_s_per_token of a pool block in the kv cost (routing/policy.py `tier_weights`). Default: "
-        "SmolLM2-135M fp32 on one core of this machine, measured by benchmarks/kv_tiers.py.")
+        "SmolLM2-135M fp32 on one core of this machine, median prefill_s / computed tokens in "
+        "docs/benchmarks/kv_tiers.md (benchmarks/kv_tiers.py measures both figures again).")
     offload_copy_s_per_token: float = Field(
-        2e-5, ge=0, description="Cost per token of copying a block back from a worker's offload tier (host "
-        "memory), seconds; default measured by benchmarks/kv_tiers.py (SmolLM2 fp32, 45 KiB/token).")
+        2.1e-4, ge=0, description="Cost per token of copying a block back from a worker's offload tier "
+        "(host memory: copy, checksum, scatter into the pool's layers), seconds; default measured in "
+        "docs/benchmarks/kv_tiers.md (SmolLM2 fp32, 720 KiB a block: 3.4 ms under shared load).")
     disk_copy_s_per_token: float = Field(
-        1e-4, ge=0, description="The same for a disk tier (a file read and checksum), seconds per token.")
+        3e-4, ge=0, description="The same for a disk tier (a file read and checksum), seconds per token.")
     store_copy_s_per_token: float = Field(
-        1e-4, ge=0, description="The same for the shared store (a network read: ~1 GB/s over Mooncake's TCP "
-        "protocol here, 45 KiB/token), seconds per token.")
+        4e-4, ge=0, description="The same for the shared store (a network read, ~1-2 GB/s over Mooncake's "
+        "TCP protocol here, plus a round trip per block), seconds per token; configured above the offload "
+        "tier's so a block only in the store counts less than one in a worker's own offload tier.")
 
 
 class CoordinatorSettings(CommonSettings):
