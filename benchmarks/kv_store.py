@@ -161,6 +161,7 @@ def run(seed: int, capacity_tokens: int, var_dir: Path) -> dict:
                         "ttft_p99_s": percentile(lat, 0.99),
                         "ttft_mean_s": statistics.fmean(lat) if lat else None,
                         "requests_per_worker": {r.replica: r.requests for r in rep.replicas}, "wall_s": wall,
+                        "load_average_1m": os.getloadavg()[0],
                     }
                     rows.append(row)
                     tiers = " ".join(f"{t} {v:.3f}" for t, v in row["hit_rate_by_tier"].items())
@@ -241,7 +242,15 @@ def write_markdown(result: dict, path: Path) -> None:
             f"{r['ttft_p50_s'] * 1e3:.0f} ms | {r['ttft_p99_s'] * 1e3:.0f} ms | "
             f"{s.get('ttft_p50_over_kv_no_store', {}).get(key, float('nan')):.2f}× |")
     lines += ["", f"Whole run: {result['total_s'] / 60:.1f} min. The machine has 2 cores shared with other "
-              "work: TTFTs move between runs, hit rates and tokens computed do not.", ""]
+              "work: TTFTs move between runs, hit rates and tokens computed do not."]
+    if result.get("notes"):
+        lines += ["", f"**Note.** {result['notes']}"]
+    loads = [r.get("load_average_1m") for r in result["rows"]]
+    if all(v is not None for v in loads):
+        lines += ["", "Load average (1 min) at each cell's end: " + ", ".join(
+            f"{r['policy']}/{r['store']} {r['workload'].split()[0]} {r['load_average_1m']:.1f}"
+            for r in result["rows"])]
+    lines.append("")
     path.write_text("\n".join(lines))
 
 
@@ -266,9 +275,7 @@ def write_png(result: dict, path: Path) -> None:
             bottom = 0.0
             for tier in ("pool", "store"):
                 v = r["hit_rate_by_tier"].get(tier, 0.0)
-                axes[0].bar(x, v, width, bottom=bottom, color=colors[tier],
-                            label=tier if (i, j) == (0, 0) or (tier == "store" and s == "on" and j == 0 and
-                                                                p == "kv") else None)
+                axes[0].bar(x, v, width, bottom=bottom, color=colors[tier])
                 bottom += v
             axes[0].text(x, bottom + 0.01, f"{p.replace('round_robin', 'rr')}\n{s}", ha="center", fontsize=7)
             axes[1].bar(x, r["ttft_p50_s"] * 1e3, width, color="#55a868" if s == "on" else "#8c8c8c")
@@ -276,7 +283,11 @@ def write_png(result: dict, path: Path) -> None:
         ax.set_xticks(range(len(names)), names)
         ax.set_title(title)
     axes[0].set_ylim(0, 1.1)
-    axes[0].legend(loc="upper right")
+    from matplotlib.patches import Patch
+
+    axes[0].legend(handles=[Patch(color=c, label=t) for t, c in colors.items()], loc="upper right")
+    axes[1].legend(handles=[Patch(color="#8c8c8c", label="store off"),
+                            Patch(color="#55a868", label="store on")], loc="upper left")
     fig.suptitle("{kv, round robin} × {store off, on}: 4 prefill workers, tiny model, Mooncake Store")
     fig.tight_layout()
     fig.savefig(path, dpi=110)
