@@ -129,3 +129,24 @@ def test_killed_master_costs_bounded_calls_and_no_exception(tmp_path) -> None:
     finally:
         tier.close()
         server.stop()
+
+
+def test_a_store_that_never_answers_costs_one_bounded_wait_then_fails_fast() -> None:
+    from pdserve.embedded import free_port
+
+    timeouts = StoreTimeouts(setup_s=1.0, lookup_s=0.2, get_s=0.2, put_s=0.2, retry_after_s=5.0)
+    client = MooncakeClient(f"mooncake://127.0.0.1:{free_port()}", timeouts)  # nothing listens there
+    tier = MooncakeStoreTier(client, "absent", SHAPE, torch.float32, worker_id="absent")
+    try:
+        started = time.monotonic()
+        assert not client.connect()
+        assert time.monotonic() - started < 3 * timeouts.setup_s
+        started = time.monotonic()
+        for _ in range(50):  # down for retry_after_s: every call answers at once
+            assert tier.lookup([1, 2]) == 0
+            assert not tier.get_into(1, torch.empty(SHAPE))
+            tier.put(1, torch.ones(SHAPE))
+        assert time.monotonic() - started < 1.0
+        assert failures("absent", "lookup", "down") + failures("absent", "lookup", "busy") == 50
+    finally:
+        tier.close()

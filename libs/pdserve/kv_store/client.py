@@ -1,12 +1,13 @@
 """One process's client of a Mooncake Store, every call bounded in time (docs/architecture.md §13).
 
-`mooncake.store.MooncakeDistributedStore` is synchronous C++: with its master gone a `get_into` or
-`put_from` blocks ~4.3 s before failing (RPC_FAIL, -900; measured here), and its `health_check` still says
-healthy. So each call runs on a lane of its own (one thread for reads — lookups and gets — one for puts)
-and is waited for at most its timeout. A call that times out or fails with an RPC error marks the store
-down for `retry_after_s`: meanwhile every call returns at once as failed, and a lane whose last call still
-hangs refuses the next one (`busy`) instead of queueing behind it. The caller treats every failure as a
-miss, so serving goes on from the local caches.
+`mooncake.store.MooncakeDistributedStore` is synchronous C++: with its master gone a `put_from` or
+`batch_is_exist` blocks ~4.4 s before failing (RPC_FAIL, -900; measured here, the GIL released meanwhile), its
+`setup` retries an absent master for ~90 s holding the GIL (so a TCP connect to the master comes first), and
+its `health_check` still says healthy. So each call runs on a lane of its own (one thread for reads — lookups
+and gets — one for puts) and is waited for at most its timeout. A call that times out or fails with an RPC
+error marks the store down for `retry_after_s`: meanwhile every call returns at once as failed, and a lane
+whose last call still hangs refuses the next one (`busy`) instead of queueing behind it. The caller treats
+every failure as a miss, so serving goes on from the local caches.
 
 Metadata goes over P2PHANDSHAKE, never the master's HTTP metadata server (it binds every interface). The
 client contributes no memory of its own to the store (global segment 0): the blocks live in the store's
@@ -17,6 +18,7 @@ restart loses none of them.
 from __future__ import annotations
 
 import logging
+import socket
 import threading
 import time
 from collections.abc import Callable
@@ -127,6 +129,14 @@ class MooncakeClient:
             if self._store is not None:
                 return self._store
             buffers = list(self._buffers)
+        # `setup` holds the GIL while it retries an absent master (20 tries, ~90 s measured: every thread of
+        # the worker stops, its heartbeats too); get, put and exists release it. So the master must answer
+        # a TCP connect first.
+        host, port = self.address.rsplit(":", 1)
+        try:
+            socket.create_connection((host, int(port)), timeout=min(1.0, self.timeouts.setup_s)).close()
+        except OSError as e:
+            raise StoreFailed("down", f"master {self.address} does not accept connections ({e})") from None
         from mooncake.store import MooncakeDistributedStore
 
         store = MooncakeDistributedStore()
