@@ -1,12 +1,14 @@
 """The KV tiers below a worker's paged pool, built from its settings, in lookup order (issue 16): the
-offload tier (host memory, `PDS_KV_OFFLOAD_BLOCKS`), then the shared store (`PDS_KV_STORE=mooncake`:
-Mooncake Store, `pdserve.kv_store`). A tier added later appends itself here."""
+offload tier (host memory, `PDS_KV_OFFLOAD_BLOCKS`), the disk tier (`PDS_KV_DISK_BLOCKS`, files under
+`PDS_KV_DISK_DIR/<worker_id>`), then the shared store (`PDS_KV_STORE=mooncake`: Mooncake Store,
+`pdserve.kv_store`). A tier added later appends itself here."""
 
 from __future__ import annotations
 
 import logging
 
 from pdserve.config import KVStoreKind, WorkerSettings
+from pdserve.engine.kv_tiers.disk_tier import DiskTier
 from pdserve.engine.kv_tiers.host_tier import HostOffloadTier
 from pdserve.engine.kv_tiers.tier import KVTier
 from pdserve.engine.loader import LoadedModel
@@ -26,6 +28,9 @@ def build_tiers(settings: WorkerSettings, loaded: LoadedModel | None = None,
     tiers: list[KVTier] = []
     if settings.kv_offload_blocks > 0:
         tiers.append(HostOffloadTier(settings.kv_offload_blocks))
+    if settings.kv_disk_blocks > 0:
+        root = settings.kv_disk_dir or settings.var_dir / "kv-disk"
+        tiers.append(DiskTier(root / settings.worker_id, settings.kv_disk_blocks))
     if settings.kv_store == KVStoreKind.MOONCAKE:
         if loaded is None or model is None:
             raise ValueError("the shared KV store needs the worker's loaded and engine model")

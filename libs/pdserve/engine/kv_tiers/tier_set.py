@@ -55,8 +55,13 @@ class KVTierSet:
     # ------------------------------------------------------------ writing down
 
     def read_block(self, block_id: int) -> torch.Tensor:
-        """A copy of pool block `block_id`: [num_paged_layers, block_size, *paged_row_shape], contiguous."""
-        return torch.stack([layer[block_id] for layer in self.kv_cache])
+        """A copy of pool block `block_id` in host memory (a pool on a GPU is copied down):
+        [num_paged_layers, block_size, *paged_row_shape], the pool's dtype, contiguous."""
+        return torch.stack([layer[block_id] for layer in self.kv_cache]).cpu()
+
+    def _staging(self) -> torch.Tensor:
+        first = self.kv_cache[0]
+        return torch.empty((len(self.kv_cache), *first.shape[1:]), dtype=first.dtype, device="cpu")
 
     def write_down(self, evicted: Sequence[tuple[int, int]]) -> None:
         """Blocks the pool just evicted, as (block_hash, block_id) whose KV is still in place: snapshot each
@@ -140,7 +145,7 @@ class KVTierSet:
             else:
                 return names
             if staging is None:
-                staging = torch.empty_like(self.read_block(block_ids[pos]))
+                staging = self._staging()
             for i in range(pos, pos + run):
                 if not tier.get_into(block_hashes[i], staging):
                     return names
