@@ -52,7 +52,7 @@ class PolicyName(StrEnum):
 
 
 class KVStoreKind(StrEnum):
-    """`PDS_KV_STORE`: the shared KV store below a worker's own tiers (docs/architecture.md §13)."""
+    """`PDS_KV_STORE`: the shared KV store below a worker's own tiers (docs/architecture.md §14)."""
 
     NONE = "none"
     MOONCAKE = "mooncake"  # Mooncake Store (pdserve.kv_store)
@@ -273,7 +273,13 @@ class WorkerSettings(CommonSettings, ModelSettings):
         "pool that keeps full cached blocks the pool evicts, LRU, checksummed "
         "(engine/kv_tiers/host_tier.py); 0 = no offload tier. Memory: blocks x block_size x KV bytes per "
         "token (SmolLM2 fp32: 720 KiB a block).")
-<<<<<<< HEAD
+    kv_disk_blocks: int = Field(
+        0, ge=0, description="Capacity in blocks of the worker's disk tier, below the offload tier: one file "
+        "per block under kv_disk_dir/<worker_id>, LRU, checksummed (engine/kv_tiers/disk_tier.py); 0 = no "
+        "disk tier.")
+    kv_disk_dir: Path | None = Field(
+        None, description="Where the disk tiers keep their files (a folder per worker, emptied at its "
+        "start); None = <var_dir>/kv-disk.")
     kv_store: KVStoreKind = Field(
         KVStoreKind.NONE, description="The shared KV store: 'none', or 'mooncake' (Mooncake Store at "
         "kv_store_url): every full block a worker computes is published there, a local miss read from it.")
@@ -290,15 +296,6 @@ class WorkerSettings(CommonSettings, ModelSettings):
     kv_store_retry_after_s: float = Field(
         2.0, description="After a store call timed out or failed, serve from local caches this long "
         "before asking the store again.")
-=======
-    kv_disk_blocks: int = Field(
-        0, ge=0, description="Capacity in blocks of the worker's disk tier, below the offload tier: one file "
-        "per block under kv_disk_dir/<worker_id>, LRU, checksummed (engine/kv_tiers/disk_tier.py); 0 = no "
-        "disk tier.")
-    kv_disk_dir: Path | None = Field(
-        None, description="Where the disk tiers keep their files (a folder per worker, emptied at its "
-        "start); None = <var_dir>/kv-disk.")
->>>>>>> kv-offload
 
 
 class RecorderSettings(CommonSettings):

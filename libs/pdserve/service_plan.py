@@ -65,7 +65,7 @@ class ServiceSpec:
         stack's Postgres authenticates by connection). `PDS_PORT` goes to the gateway only: it is the HTTP
         port, and no other service has a fixed port (metrics and KV transfer listeners bind port 0 and
         publish the real one). `kv_store_url`: the stack's Mooncake master (`mooncake://host:port`); each
-        worker then gets `PDS_KV_STORE=mooncake` and `PDS_KV_STORE_URL` (docs/architecture.md §13).
+        worker then gets `PDS_KV_STORE=mooncake` and `PDS_KV_STORE_URL` (docs/architecture.md §14).
         """
         env = {
             "PDS_NATS_URL": nats_url,

@@ -1,6 +1,6 @@
 """The shared KV store tier against a real Mooncake Store (`mooncake_master` + its memory-holding client):
 blocks written by one worker's client are read by another's, bit for bit; a corrupt copy is refused and
-dropped; a dead master costs a bounded wait and no exception (docs/architecture.md §13)."""
+dropped; a dead master costs a bounded wait and no exception (docs/architecture.md §14)."""
 
 from __future__ import annotations
 

@@ -1,5 +1,5 @@
 """The cross-instance KV store: Mooncake Store as the tier below every worker's pool and offload tier
-(docs/architecture.md §13). `MooncakeClient` bounds every call into the store; `MooncakeStoreTier` is the
+(docs/architecture.md §14). `MooncakeClient` bounds every call into the store; `MooncakeStoreTier` is the
 `KVTier` the engine reads and writes; the store's own processes are started by
 `pdserve.embedded.start_mooncake` (or compose's `mooncake-master` / `mooncake-store`)."""
 

@@ -1,4 +1,4 @@
-"""One process's client of a Mooncake Store, every call bounded in time (docs/architecture.md §13).
+"""One process's client of a Mooncake Store, every call bounded in time (docs/architecture.md §14).
 
 `mooncake.store.MooncakeDistributedStore` is synchronous C++: with its master gone a `put_from` or
 `batch_is_exist` blocks ~4.4 s before failing (RPC_FAIL, -900; measured here, the GIL released meanwhile), its

@@ -1,5 +1,5 @@
 """The shared KV store tier: whole KV blocks in a Mooncake Store, read by every worker of the cluster
-(the seed's stage 4; docs/architecture.md §13). Implements `engine.kv_tiers.tier.KVTier`.
+(the seed's stage 4; docs/architecture.md §14). Implements `engine.kv_tiers.tier.KVTier`.
 
 Key: `pdserve/<namespace>/<chained block hash, 16 hex digits>`, where `namespace` is the digest of the
 worker's compatibility descriptor (`descriptor_namespace`): two workers share a block only if their model,
