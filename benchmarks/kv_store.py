@@ -101,7 +101,11 @@ async def send_all(url: str, model: str, prompts: list[Prompt], salt: str) -> tu
             body = {"model": model, "prompt": p.token_ids, "max_tokens": 1, "temperature": 0,
                     "ignore_eos": True, "cache_salt": salt}
             start = time.monotonic()
-            r = await client.post(f"{url}/v1/completions", json=body)
+            try:
+                r = await client.post(f"{url}/v1/completions", json=body)
+            except httpx.HTTPError:  # a reset connection is a failed request, counted, not the run's end
+                bar.update()
+                return False
             bar.update()
             if r.status_code != 200:
                 return False
