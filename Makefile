@@ -2,10 +2,12 @@
 # only when pyproject.toml changes); nothing asks the user to activate it.
 #
 #   make up [MODE=disaggregated|colocated] [MODEL=smollm2|tiny|kimi-tiny|<HF model dir>] [PREFILL=1] [DECODE=1] [PORT=8000]
+#           [KV_STORE=mooncake]   (the shared KV store: a Mooncake Store beside the stack)
 #   make down | status | logs [SERVICE=gateway] | test [ARGS=...] | lint | trace ID=... | replay [ID=...] | bench
 #   make observability-tools   Debian's prometheus, for the dashboards test (root; .ci/run runs it)
 #   make k8s-secrets [MODE=...]  the Secrets' sources of deploy/k8s/overlays/$(MODE) (git-ignored; README)
 #   make host-tools            iproute2 + iptables, for the network-namespace test hosts (root; .ci/run runs it)
+#   make kv-store-tools        Debian's libibverbs1, which the Mooncake wheel links (root; .ci/run runs it)
 #
 # `up` uses Docker Compose when a Docker engine answers (`docker info`), else `pdserve up`: nats-server and
 # Postgres embedded from wheels, every service a supervised process, logs in var/log (docs/architecture.md §9).
@@ -21,6 +23,7 @@ MODEL ?= smollm2
 PREFILL ?= 1
 DECODE ?= 1
 PORT ?= 8000
+KV_STORE ?= none
 SERVICE ?=
 ID ?=
 ARGS ?=
@@ -31,10 +34,10 @@ HAVE_DOCKER = docker info >/dev/null 2>&1
 COMPOSE_UP_disaggregated := up -d
 COMPOSE_UP_colocated := --profile colocated up -d --scale prefill-0=0 --scale decode-0=0
 
-.PHONY: help venv observability-tools k8s-secrets host-tools up down status logs test lint trace replay bench
+.PHONY: help venv observability-tools k8s-secrets host-tools kv-store-tools up down status logs test lint trace replay bench
 
 help:
-	@sed -n '1,11p' Makefile | sed 's/^# \{0,1\}//'
+	@sed -n '1,13p' Makefile | sed 's/^# \{0,1\}//'
 
 venv: $(STAMP)
 
@@ -78,16 +81,35 @@ host-tools:
 		echo "host tools missing: as root, apt-get install iproute2 iptables (tests/hosts skips without root)"; \
 	fi
 
+# The Mooncake Store wheel (mooncake-transfer-engine-non-cuda, a main dependency) links libibverbs.so.1
+# even over TCP: without it `import mooncake.store` fails, and a worker with PDS_KV_STORE=mooncake serves
+# without the store (it logs why). No RDMA device is needed.
+kv-store-tools:
+	@if ldconfig -p 2>/dev/null | grep -q 'libibverbs.so.1 '; then \
+		echo "libibverbs1: present"; \
+	elif [ "$$(id -u)" = 0 ] && command -v apt-get >/dev/null; then \
+		(apt-get update -qq && DEBIAN_FRONTEND=noninteractive apt-get install -y -qq --no-install-recommends \
+			libibverbs1 >/dev/null && echo "libibverbs1: installed") || \
+		echo "libibverbs1 could not be installed: the Mooncake Store tests skip"; \
+	else \
+		echo "libibverbs1 missing: as root, apt-get install libibverbs1 (the Mooncake Store tests skip)"; \
+	fi
+
+# KV_STORE=mooncake: compose's kv-store profile (mooncake-master + mooncake-store), or the embedded store.
+COMPOSE_KV_none :=
+COMPOSE_KV_mooncake := --profile kv-store
 up:
 	@if $(HAVE_DOCKER); then \
-		PDS_MODEL=$(MODEL) docker compose $(COMPOSE_UP_$(MODE)); \
+		PDS_MODEL=$(MODEL) PDS_KV_STORE=$(KV_STORE) docker compose $(COMPOSE_KV_$(KV_STORE)) $(COMPOSE_UP_$(MODE)); \
 	else \
 		$(MAKE) --no-print-directory venv && \
-		$(BIN)/pdserve up --mode $(MODE) --model $(MODEL) --prefill $(PREFILL) --decode $(DECODE) --port $(PORT); \
+		$(if $(filter mooncake,$(KV_STORE)),$(MAKE) --no-print-directory kv-store-tools &&) \
+		$(BIN)/pdserve up --mode $(MODE) --model $(MODEL) --prefill $(PREFILL) --decode $(DECODE) --port $(PORT) \
+			--kv-store $(KV_STORE); \
 	fi
 
 down:
-	@if $(HAVE_DOCKER); then docker compose --profile colocated down; fi
+	@if $(HAVE_DOCKER); then docker compose --profile colocated --profile kv-store down; fi
 	@if [ -x $(BIN)/pdserve ]; then $(BIN)/pdserve down; fi
 
 status:

@@ -1,9 +1,9 @@
-"""Real NATS and Postgres for every test that needs them (docs/architecture.md §9).
+"""Real NATS, Postgres and Mooncake Store for every test that needs them (docs/architecture.md §9).
 
-Providers, in order: `PDS_TEST_NATS_URL` / `PDS_TEST_DATABASE_URL` (CI points them at the machine's own
-servers); testcontainers when a Docker engine answers; the embedded servers (`pdserve.embedded`)
-otherwise. Each test run gets its own database, JetStream stream and subject prefix, so runs sharing a
-server never see each other's messages.
+Providers, in order: `PDS_TEST_NATS_URL` / `PDS_TEST_DATABASE_URL` / `PDS_TEST_MOONCAKE_URL` (CI points
+them at the machine's own servers); testcontainers when a Docker engine answers; the embedded servers
+(`pdserve.embedded`) otherwise. Each test run gets its own database, JetStream stream and subject prefix,
+so runs sharing a server never see each other's messages.
 """
 
 from __future__ import annotations
@@ -68,6 +68,53 @@ def postgres_admin_url(tmp_path_factory) -> Iterator[str]:
     from pdserve.embedded import start_postgres
 
     server = start_postgres(data_dir=tmp_path_factory.mktemp("pg"))
+    try:
+        yield server.url
+    finally:
+        server.stop()
+
+
+def mooncake_importable() -> str:
+    """'' when the Mooncake Store client loads, else why not (its wheel links Debian's libibverbs1)."""
+    try:
+        import mooncake.store  # noqa: F401
+    except ImportError as e:
+        return f"mooncake.store does not load ({e}): `make kv-store-tools` installs libibverbs1"
+    return ""
+
+
+@pytest.fixture(scope="session")
+def mooncake_url(tmp_path_factory) -> Iterator[str]:
+    """A Mooncake Store (master + the memory-holding client): `mooncake://host:port` of its master.
+    Embedded: `pdserve.embedded.start_mooncake` (256 MiB). Testcontainers: the compose image (`pdserve:dev`,
+    or `PDS_TEST_MOONCAKE_IMAGE`), master and store client in one container."""
+    if url := os.environ.get("PDS_TEST_MOONCAKE_URL"):
+        yield url
+        return
+    if why := mooncake_importable():
+        pytest.skip(why)
+    if _docker_available():
+        from testcontainers.core.container import DockerContainer
+        from testcontainers.core.waiting_utils import wait_for_logs
+
+        from pdserve.embedded import free_port
+
+        # Host networking: the store client tells its peers its address in the P2P handshake, and the
+        # test process must reach that address as the container sees it.
+        image = os.environ.get("PDS_TEST_MOONCAKE_IMAGE", "pdserve:dev")
+        port, client_port = free_port(), free_port()
+        cmd = (f"sh -c 'mooncake_master --rpc_address=127.0.0.1 --rpc_port={port} --metrics_host=127.0.0.1 "
+               f"--metrics_port={free_port()} --enable_http_metadata_server=false & sleep 1; exec "
+               f"mooncake_client --host=127.0.0.1 --port={client_port} "
+               f"--master_server_address=127.0.0.1:{port} "
+               "--metadata_server=P2PHANDSHAKE --global_segment_size=268435456 --local_buffer_size=0'")
+        with DockerContainer(image).with_command(cmd).with_kwargs(network_mode="host") as c:
+            wait_for_logs(c, "Starting real client service", timeout=30)
+            yield f"mooncake://127.0.0.1:{port}"
+        return
+    from pdserve.embedded import start_mooncake
+
+    server = start_mooncake(tmp_path_factory.mktemp("mooncake"), segment_bytes=256 << 20)
     try:
         yield server.url
     finally:

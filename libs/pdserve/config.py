@@ -51,6 +51,13 @@ class PolicyName(StrEnum):
     RANDOM = "random"
 
 
+class KVStoreKind(StrEnum):
+    """`PDS_KV_STORE`: the shared KV store below a worker's own tiers (docs/architecture.md §16)."""
+
+    NONE = "none"
+    MOONCAKE = "mooncake"  # Mooncake Store (pdserve.kv_store)
+
+
 class CommonSettings(BaseSettings):
     model_config = SettingsConfigDict(env_prefix="PDS_", extra="ignore")
 
@@ -291,6 +298,22 @@ class WorkerSettings(CommonSettings, ModelSettings):
     kv_disk_dir: Path | None = Field(
         None, description="Where the disk tiers keep their files (a folder per worker, emptied at its "
         "start); None = <var_dir>/kv-disk.")
+    kv_store: KVStoreKind = Field(
+        KVStoreKind.NONE, description="The shared KV store: 'none', or 'mooncake' (Mooncake Store at "
+        "kv_store_url): every full block a worker computes is published there, a local miss read from it.")
+    kv_store_url: str = Field(
+        "mooncake://127.0.0.1:50051", description="The Mooncake master (mooncake://host:port); `make up "
+        "KV_STORE=mooncake` sets it to the store it starts.")
+    kv_store_local_host: str = Field(
+        "127.0.0.1", description="The address this worker's Mooncake client gives its peers (P2PHANDSHAKE); "
+        "compose sets the container's name.")
+    kv_store_lookup_timeout_s: float = Field(
+        0.25, description="Longest wait for the store to say which blocks it holds (at admission).")
+    kv_store_get_timeout_s: float = Field(1.0, description="Longest wait for one block read from the store.")
+    kv_store_put_timeout_s: float = Field(2.0, description="Longest wait for one block written to the store.")
+    kv_store_retry_after_s: float = Field(
+        2.0, description="After a store call timed out or failed, serve from local caches this long "
+        "before asking the store again.")
 
 
 class RecorderSettings(CommonSettings):

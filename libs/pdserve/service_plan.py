@@ -15,6 +15,7 @@ from pdserve.config import ModelName
 from pdserve.engine.model_files import check_model_name, is_model_dir
 
 MODES = ("disaggregated", "colocated")
+KV_STORES = ("none", "mooncake")  # `pdserve up --kv-store`, `make up KV_STORE=`
 MODELS = tuple(ModelName)
 
 
@@ -55,14 +56,16 @@ class ServiceSpec:
         return DATABASE_ROLES.get(self.role, "pdserve_reader")
 
     def environment(
-        self, *, nats_url: str, database_url: str, model: str, var_dir: Path, gateway_port: int
+        self, *, nats_url: str, database_url: str, model: str, var_dir: Path, gateway_port: int,
+        kv_store_url: str | None = None,
     ) -> dict[str, str]:
         """The `PDS_*` variables this process starts with (on top of the caller's environment).
 
         `PDS_DATABASE_URL` is `database_url` as this process's role (`database_role`, no password: the
         stack's Postgres authenticates by connection). `PDS_PORT` goes to the gateway only: it is the HTTP
         port, and no other service has a fixed port (metrics and KV transfer listeners bind port 0 and
-        publish the real one).
+        publish the real one). `kv_store_url`: the stack's Mooncake master (`mooncake://host:port`); each
+        worker then gets `PDS_KV_STORE=mooncake` and `PDS_KV_STORE_URL` (docs/architecture.md §16).
         """
         env = {
             "PDS_NATS_URL": nats_url,
@@ -74,6 +77,8 @@ class ServiceSpec:
         }
         if self.role == "gateway":
             env["PDS_PORT"] = str(gateway_port)
+        if kv_store_url and self.is_worker:
+            env |= {"PDS_KV_STORE": "mooncake", "PDS_KV_STORE_URL": kv_store_url}
         return env
 
 

@@ -26,10 +26,10 @@ import psutil
 from sqlalchemy.engine import make_url
 
 from pdserve.config import CommonSettings
-from pdserve.embedded import EmbeddedServer, start_nats, start_postgres
+from pdserve.embedded import EmbeddedServer, start_mooncake, start_nats, start_postgres
 from pdserve.nats_auth import stack_users, write_server_config, write_users
 from pdserve.process import ProcessRef, child_dies_with_parent
-from pdserve.service_plan import MODES, ServiceSpec, model_arg, service_plan
+from pdserve.service_plan import KV_STORES, MODES, ServiceSpec, model_arg, service_plan
 from pdserve.stack_state import ServerState, ServiceState, StackState, remove_state, write_state
 
 log = logging.getLogger("pdserve.supervisor")
@@ -62,6 +62,8 @@ class Supervisor:
         self.var_dir: Path = args.var_dir.resolve()
         self.model: str = args.model
         self.port: int = args.port
+        self.kv_store: str = getattr(args, "kv_store", "none")
+        self.kv_store_url: str | None = None
         self.plan: list[ServiceSpec] = plan or service_plan(args.mode, args.prefill, args.decode)
         self.servers: list[EmbeddedServer] = []
         self.stopping = asyncio.Event()
@@ -141,6 +143,13 @@ class Supervisor:
             pg = await asyncio.to_thread(start_postgres, self.var_dir / "pg")
             self.adopt(pg)
             database_url = make_url(pg.url).set(database=STACK_DATABASE).render_as_string(hide_password=False)
+        if self.kv_store == "mooncake":
+            self.kv_store_url = os.environ.get("PDS_KV_STORE_URL")
+            if not self.kv_store_url:
+                self.save(phase="starting mooncake")
+                store = start_mooncake(self.var_dir / "log", segment_bytes=_store_segment_bytes())
+                self.adopt(store)
+                self.kv_store_url = store.url
         self.save(phase="migrating")
         await asyncio.to_thread(prepare_database, database_url)
         self.save(database_url=database_url)
@@ -190,6 +199,7 @@ class Supervisor:
                 model=self.model,
                 var_dir=self.var_dir,
                 gateway_port=self.port,
+                kv_store_url=self.kv_store_url,
             ),
         }
         if self.state.nats_users_file:  # the service reads its own password from the file, not from env
@@ -275,7 +285,16 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--decode", type=int, default=1, help="decode workers (colocated: counted as unified)")
     p.add_argument("--port", type=int, default=8000, help="gateway HTTP port")
     p.add_argument("--var-dir", type=Path, default=Path("var"))
+    p.add_argument("--kv-store", choices=KV_STORES, default="none",
+                   help="mooncake: start a Mooncake Store (unless PDS_KV_STORE_URL names one) for the "
+                   "workers")
     return p.parse_args(argv)
+
+
+def _store_segment_bytes() -> int:
+    """The embedded store's memory: `PDS_KV_STORE_SEGMENT_MB` MiB (default 1024: ~1,400 SmolLM2 fp32
+    blocks, 720 KiB each)."""
+    return int(os.environ.get("PDS_KV_STORE_SEGMENT_MB", "1024")) << 20
 
 
 def main(argv: list[str] | None = None) -> int:

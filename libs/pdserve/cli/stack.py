@@ -26,7 +26,7 @@ from pdserve.config import CommonSettings
 from pdserve.embedded import port_is_free
 from pdserve.messages import Subjects
 from pdserve.process import is_alive, stop_process
-from pdserve.service_plan import MODELS, MODES, model_arg
+from pdserve.service_plan import KV_STORES, MODELS, MODES, model_arg
 from pdserve.stack_state import StackState, read_state, remove_state
 
 console = make_console(soft_wrap=True)  # long URLs and paths stay on one line
@@ -92,6 +92,8 @@ def up(args: argparse.Namespace) -> int:
         str(args.port),
         "--var-dir",
         str(var_dir),
+        "--kv-store",
+        args.kv_store,
     ]
     supervisor_log = var_dir / "log" / "supervisor.log"
     with open(supervisor_log, "ab") as out:
@@ -327,6 +329,9 @@ def add_parsers(sub: argparse._SubParsersAction) -> None:
     p.add_argument("--decode", type=int, default=1, help="decode workers (default 1)")
     p.add_argument("--port", type=int, default=8000, help="gateway HTTP port (default 8000)")
     p.add_argument("--timeout", type=float, default=300.0, help="seconds to wait for /health (default 300)")
+    p.add_argument("--kv-store", choices=KV_STORES, default="none",
+                   help="mooncake: a Mooncake Store shared by the workers' KV caches (embedded on loopback "
+                   "unless PDS_KV_STORE_URL names one; PDS_KV_STORE_SEGMENT_MB its memory, default 1024)")
     p.set_defaults(func=up)
 
     p = common(sub.add_parser("down", help="stop the stack started by `pdserve up`"))
@@ -336,7 +341,8 @@ def add_parsers(sub: argparse._SubParsersAction) -> None:
     common(sub.add_parser("status", help="what runs where")).set_defaults(func=status)
 
     p = common(sub.add_parser("logs", help="tail var/log (one service or all)"))
-    p.add_argument("service", nargs="?", help="gateway, router, prefill-0, …, nats, postgres, supervisor")
+    p.add_argument("service", nargs="?",
+                   help="gateway, router, prefill-0, …, nats, postgres, mooncake, supervisor")
     p.add_argument("-f", "--follow", action="store_true")
     p.add_argument("-n", "--lines", type=int, default=50)
     p.set_defaults(func=logs)

@@ -27,15 +27,24 @@ Tiers below the pool (issue 16, `engine/kv_tiers`): events labelled with another
 worker's "offload" tier) are kept per worker and tier beside the pool's hashes, outside the digest (which
 covers the pool only), and wiped with the worker on a gap or a restart. `overlaps_by_tier` walks the
 leading run through every tier, each block counted once at the best tier holding it (`TIER_RANK`).
+
+The shared store (tier "store", `pdserve.kv_store`) is one for the whole cluster: what any worker published
+there counts for every worker, and a worker's restart does not wipe it (the blocks live in the store).
+The store evicts without telling anyone, so the index keeps at most `store_max_blocks` hashes, least
+recently published dropped first; a stale entry costs no placement quality, since it credits every
+candidate alike, and the worker's own `lookup` is what decides a hit.
 """
 
 from __future__ import annotations
 
 import time
+from collections import OrderedDict
 from collections.abc import Callable, Iterable, Sequence
 from dataclasses import dataclass, field
 
 from pdserve.messages import AllBlocksCleared, BlockRemoved, BlockStored, KVDigest, KVEvents
+
+SHARED_TIERS = ("store",)  # tiers every worker reads: indexed once for the cluster, not per worker
 
 POOL = "pool"
 # A block is counted at the first of these that holds it: cheapest to use first (the pool: nothing to copy;
@@ -61,8 +70,11 @@ class WorkerBlocks:
 class KVIndex:
     """Block hash → workers holding it. Not thread-safe; every method is O(events) or O(blocks asked)."""
 
-    def __init__(self, ttl_s: float = 10.0, clock: Callable[[], float] = time.monotonic) -> None:
+    def __init__(self, ttl_s: float = 10.0, clock: Callable[[], float] = time.monotonic,
+                 store_max_blocks: int = 1 << 20) -> None:
         self.ttl_s = ttl_s
+        self.store_max_blocks = store_max_blocks
+        self._shared: dict[str, OrderedDict[int, None]] = {t: OrderedDict() for t in SHARED_TIERS}
         self.clock = clock
         self._holders: dict[int, int] = {}  # block hash → bitmask of worker slots
         self._workers: dict[str, WorkerBlocks] = {}
@@ -129,7 +141,9 @@ class KVIndex:
             w.partial = True
         w.last_seq = batch.seq
         for ev in batch.events:
-            if isinstance(ev, BlockStored | BlockRemoved) and ev.tier != POOL:
+            if isinstance(ev, BlockStored | BlockRemoved) and ev.tier in self._shared:
+                self._shared_update(ev.tier, ev.block_hashes, stored=isinstance(ev, BlockStored))
+            elif isinstance(ev, BlockStored | BlockRemoved) and ev.tier != POOL:
                 held = w.tiers.setdefault(ev.tier, set())
                 if isinstance(ev, BlockStored):
                     held.update(ev.block_hashes)
@@ -216,6 +230,17 @@ class KVIndex:
                 out[wid] = len(block_hashes)
         return out
 
+    def _shared_update(self, tier: str, hashes: Iterable[int], *, stored: bool) -> None:
+        held = self._shared[tier]
+        for h in hashes:
+            if stored:
+                held[h] = None
+                held.move_to_end(h)
+            else:
+                held.pop(h, None)
+        while len(held) > self.store_max_blocks:
+            held.popitem(last=False)
+
     def overlaps_by_tier(self, block_hashes: Sequence[int], worker_id: str) -> dict[str, int]:
         """How many of `block_hashes`' leading run `worker_id` holds, split by tier: each block counted at
         the best tier holding it (`TIER_RANK`: its pool, then the tiers below), the run ending at the first
@@ -225,7 +250,8 @@ class KVIndex:
         if w is None:
             return out
         ranked = [(POOL, w.hashes)] + sorted(
-            w.tiers.items(), key=lambda kv: TIER_RANK.index(kv[0]) if kv[0] in TIER_RANK else len(TIER_RANK))
+            [*w.tiers.items(), *self._shared.items()],
+            key=lambda kv: TIER_RANK.index(kv[0]) if kv[0] in TIER_RANK else len(TIER_RANK))
         for h in block_hashes:
             tier = next((name for name, held in ranked if h in held), None)
             if tier is None:
@@ -234,7 +260,10 @@ class KVIndex:
         return out
 
     def num_tier_blocks(self, worker_id: str, tier: str) -> int:
-        """Blocks indexed for one worker's tier below the pool ("offload", ...)."""
+        """Blocks indexed for one worker's tier below the pool ("offload", ...); for the shared store,
+        the cluster's (whatever `worker_id`)."""
+        if tier in self._shared:
+            return len(self._shared[tier])
         w = self._workers.get(worker_id)
         return len(w.tiers.get(tier, ())) if w else 0
 

@@ -90,6 +90,19 @@ ROUTER_CEILING_CACHED_TOKENS = Counter(
     "The perfect-router ceiling: of each placed prompt, the most cached tokens any candidate held, by the "
     "worker chosen to prefill (beside that worker's prefix_cache_hits / prefix_cache_queries).", WORKER)
 
+# ---------------------------------------------------------------- shared KV store (per worker, issue 16)
+# One block moves per call (SmolLM2 fp32: 30 layers x 16 tokens x 1.5 KiB = 720 KiB), 2-17 ms here.
+KV_STORE_BYTES = Counter(
+    "pdserve:kv_store_bytes", "Bytes this worker moved to (op=put) or from (op=get) the shared KV store "
+    "(Mooncake Store), header included; only calls that completed.", ("worker_id", "op"))
+KV_STORE_SECONDS = Histogram(
+    "pdserve:kv_store_seconds", "Seconds of one completed shared KV store call, one block (op=get|put).",
+    ("worker_id", "op"), buckets=TRANSFER_SECONDS_BUCKETS_S)
+KV_STORE_FAILURES = Counter(
+    "pdserve:kv_store_failures", "Shared KV store calls that did not give a block (op=get|put|lookup; "
+    "reason=timeout|error|down|busy|checksum|full): each one a recompute, never a failed request.",
+    ("worker_id", "op", "reason"))
+
 # ---------------------------------------------------------------- from the event log (the recorder)
 # Counted once, by the recorder, from the events it commits (pdserve.store.event_metrics): what the
 # dashboards show is what the event log holds, whichever process emitted the event.

@@ -49,7 +49,7 @@ class WorkerCore:
                 hash_seed=settings.kv_hash_seed,
             ),
             loaded.tokenizer.stop_token_ids,
-            tiers=build_tiers(settings),
+            tiers=build_tiers(settings, loaded, self.model),
         )
         # every label cached_tokens_by_tier can carry here: the pool, then the tiers below it
         self.tier_names = ["pool"] + [t.name for t in (self.engine.tiers.tiers if self.engine.tiers else [])]
