@@ -33,9 +33,14 @@ def _pool(args: argparse.Namespace, role, replicas: int, hardware, prefix: str):
         v = getattr(args, f"{prefix}_{name}", None)
         return v if v is not None else getattr(args, name)
 
-    return PoolConfig(role=role, replicas=replicas, max_num_seqs=pick("max_num_seqs"),
-                      max_num_batched_tokens=pick("max_num_batched_tokens"),
-                      kv_capacity_tokens=pick("kv_capacity_tokens"), hardware=hardware)
+    return PoolConfig(
+        role=role,
+        replicas=replicas,
+        max_num_seqs=pick("max_num_seqs"),
+        max_num_batched_tokens=pick("max_num_batched_tokens"),
+        kv_capacity_tokens=pick("kv_capacity_tokens"),
+        hardware=hardware,
+    )
 
 
 def build_cluster(args: argparse.Namespace, profile, mode: str, prefill: int, decode: int):
@@ -46,8 +51,11 @@ def build_cluster(args: argparse.Namespace, profile, mode: str, prefill: int, de
 
     hw_p = resolve_hardware(profile, args.prefill_hardware or args.hardware)
     hw_d = resolve_hardware(profile, args.decode_hardware or args.hardware)
-    overheads = Overheads(request_s=args.request_overhead_ms / 1e3, first_token_s=args.first_token_overhead_ms / 1e3,
-                          decode_start_s=args.decode_start_ms / 1e3)
+    overheads = Overheads(
+        request_s=args.request_overhead_ms / 1e3,
+        first_token_s=args.first_token_overhead_ms / 1e3,
+        decode_start_s=args.decode_start_ms / 1e3,
+    )
     common = dict(policy=args.policy, prefix_caching=not args.no_prefix_caching, overheads=overheads)
     if mode == "colocated":
         return ClusterConfig(pools=[_pool(args, PoolRole.UNIFIED, prefill, hw_p, "unified")], **common)
@@ -55,12 +63,27 @@ def build_cluster(args: argparse.Namespace, profile, mode: str, prefill: int, de
     source = "--link-gbps"
     if gbs is None:
         measured = profile.transfer_gb_s(args.link_transport)
-        gbs, source = (measured, f"measured here: {args.link_transport} (pdserve profile)") if measured else (10.0, "default")
-    link = LinkConfig(name=args.link_transport, bandwidth_bytes_per_s=gbs * 1e9,
-                      latency_s=args.link_latency_us / 1e6, layerwise=not args.naive_transfer, source=source)
-    return ClusterConfig(pools=[_pool(args, PoolRole.PREFILL, prefill, hw_p, "prefill"),
-                                _pool(args, PoolRole.DECODE, decode, hw_d, "decode")],
-                         link=link, first_token_from=args.first_token_from, **common)
+        gbs, source = (
+            (measured, f"measured here: {args.link_transport} (pdserve profile)")
+            if measured
+            else (10.0, "default")
+        )
+    link = LinkConfig(
+        name=args.link_transport,
+        bandwidth_bytes_per_s=gbs * 1e9,
+        latency_s=args.link_latency_us / 1e6,
+        layerwise=not args.naive_transfer,
+        source=source,
+    )
+    return ClusterConfig(
+        pools=[
+            _pool(args, PoolRole.PREFILL, prefill, hw_p, "prefill"),
+            _pool(args, PoolRole.DECODE, decode, hw_d, "decode"),
+        ],
+        link=link,
+        first_token_from=args.first_token_from,
+        **common,
+    )
 
 
 def workload(args: argparse.Namespace, rate: float):
@@ -72,17 +95,33 @@ def workload(args: argparse.Namespace, rate: float):
     from pdserve.sim.workload import from_samples, random_lengths
 
     if args.dataset == "random" and (args.no_prefix_caching or args.prefix_len == 0):
-        return random_lengths(args.num_prompts, args.input_len, args.output_len, rate, args.range_ratio,
-                              args.burstiness, args.seed)
+        return random_lengths(
+            args.num_prompts,
+            args.input_len,
+            args.output_len,
+            rate,
+            args.range_ratio,
+            args.burstiness,
+            args.seed,
+        )
     if args.dataset == "random":
-        samples = random_dataset(args.num_prompts, args.input_len, args.output_len, args.range_ratio,
-                                 args.prefix_len, args.seed)
+        samples = random_dataset(
+            args.num_prompts, args.input_len, args.output_len, args.range_ratio, args.prefix_len, args.seed
+        )
     elif args.dataset == "prefix_repetition":
-        samples = prefix_repetition_dataset(args.num_prompts, args.prefix_len, args.suffix_len, args.num_prefixes,
-                                            args.output_len, args.seed)
+        samples = prefix_repetition_dataset(
+            args.num_prompts, args.prefix_len, args.suffix_len, args.num_prefixes, args.output_len, args.seed
+        )
     else:
-        samples = shared_prefix_dataset(args.num_prompts, args.num_turns, args.prefix_len, args.input_len,
-                                        args.output_len, args.num_prefixes, args.seed)
+        samples = shared_prefix_dataset(
+            args.num_prompts,
+            args.num_turns,
+            args.prefix_len,
+            args.input_len,
+            args.output_len,
+            args.num_prefixes,
+            args.seed,
+        )
     times = arrival_times(len(samples), rate, args.burstiness, np.random.default_rng(args.seed))
     return from_samples(samples, times)
 
@@ -97,12 +136,15 @@ def sim(args: argparse.Namespace) -> int:
     slo = parse_goodput(args.goodput)
     modes = ["colocated", "disaggregated"] if args.mode == "both" else [args.mode]
     if args.replay:
+        from pdserve.cli.replay import parse_since
         from pdserve.sim.replay import replay_requests
 
-        requests_at = _fixed(replay_requests(args.replay, args.since))
+        requests_at = _fixed(replay_requests(args.replay, parse_since(args.since) if args.since else None))
     else:
+
         def requests_at(rate: float):
             return workload(args, rate)
+
     sizes = {"colocated": (args.replicas, 0), "disaggregated": (args.prefill, args.decode)}
     out: dict = {"command": "pdserve sim " + " ".join(args.argv), "profile": args.profile, "modes": {}}
     results, probes = {}, {}
@@ -111,20 +153,38 @@ def sim(args: argparse.Namespace) -> int:
         if args.search == "rate":
             found = max_rate(cfg, requests_at, slo, args.attainment)
             probes[mode] = found.probes
-            out["modes"][mode] = {"goodput_rate": found.goodput_rate, "attainment": args.attainment,
-                                  "probes": [p._asdict() for p in found.probes]}
-            console.print(f"{mode}: goodput {found.goodput_rate:.3g} req/s at ≥ {args.attainment:.0%} SLO "
-                          f"attainment ({len(found.probes)} probes)")
+            out["modes"][mode] = {
+                "goodput_rate": found.goodput_rate,
+                "attainment": args.attainment,
+                "probes": [p._asdict() for p in found.probes],
+            }
+            console.print(
+                f"{mode}: goodput {found.goodput_rate:.3g} req/s at ≥ {args.attainment:.0%} SLO "
+                f"attainment ({len(found.probes)} probes)"
+            )
             rate = found.goodput_rate or args.request_rate
         elif args.search == "split":
             reqs = requests_at(args.request_rate)
-            best, tried = cheapest_split(lambda p, d, m=mode: build_cluster(args, profile, m, p, d), reqs, slo,
-                                         args.attainment, args.max_replicas, mode == "disaggregated")
-            out["modes"][mode] = {"cheapest": best._asdict() if best else None,
-                                  "tried": [s._asdict() for s in tried]}
-            console.print(f"{mode}: cheapest split for {args.request_rate:g} req/s at ≥ {args.attainment:.0%}: "
-                          + (f"{best.prefill} + {best.decode} replicas (attainment {best.attainment:.0%})" if best
-                             else f"none up to {args.max_replicas} replicas"))
+            best, tried = cheapest_split(
+                lambda p, d, m=mode: build_cluster(args, profile, m, p, d),
+                reqs,
+                slo,
+                args.attainment,
+                args.max_replicas,
+                mode == "disaggregated",
+            )
+            out["modes"][mode] = {
+                "cheapest": best._asdict() if best else None,
+                "tried": [s._asdict() for s in tried],
+            }
+            console.print(
+                f"{mode}: cheapest split for {args.request_rate:g} req/s at ≥ {args.attainment:.0%}: "
+                + (
+                    f"{best.prefill} + {best.decode} replicas (attainment {best.attainment:.0%})"
+                    if best
+                    else f"none up to {args.max_replicas} replicas"
+                )
+            )
             if best:
                 cfg = build_cluster(args, profile, mode, best.prefill, best.decode)
             rate = args.request_rate
@@ -136,8 +196,12 @@ def sim(args: argparse.Namespace) -> int:
         wall = time.perf_counter() - t0
         results[mode] = result
         summary = result.summary(slo)
-        summary.update(request_rate=rate, wall_s=wall, simulated_requests_per_wall_s=len(reqs) / wall,
-                       cluster=json.loads(cfg.model_dump_json()))
+        summary.update(
+            request_rate=rate,
+            wall_s=wall,
+            simulated_requests_per_wall_s=len(reqs) / wall,
+            cluster=json.loads(cfg.model_dump_json()),
+        )
         out["modes"].setdefault(mode, {}).update(summary)
         console.print(report_line(mode, rate, summary), markup=False)
     if args.out:
@@ -155,26 +219,37 @@ def _compact(out: dict) -> dict:
     for m in out["modes"].values():
         for pool in m.get("cluster", {}).get("pools", []):
             hw = pool["hardware"]
-            pool["hardware"] = {"name": hw["name"], "accelerator": hw["accelerator"], "cost": hw["cost"],
-                                "kv_capacity_tokens": hw["kv_capacity_tokens"], "sources": hw["sources"]}
+            pool["hardware"] = {
+                "name": hw["name"],
+                "accelerator": hw["accelerator"],
+                "cost": hw["cost"],
+                "kv_capacity_tokens": hw["kv_capacity_tokens"],
+                "sources": hw["sources"],
+            }
     return out
 
 
 def _fixed(requests):
     def at(_rate: float):
         return requests
+
     return at
 
 
 def report_line(mode: str, rate: float, s: dict) -> str:
     lat = s["latency_ms"]
     bd = " + ".join(f"{k} {v:.1f}" for k, v in s["ttft_breakdown_mean_ms"].items())
-    return (f"{mode} @ {rate:g} req/s: {s['completed']}/{s['requests']} completed in {s['duration_s']:.1f} s "
-            f"(virtual); goodput {s['request_goodput'] or 0:.3g} req/s, SLO attainment {s['slo_attainment']:.1%}; "
-            f"TTFT p50/p99 {lat['ttft']['p50']:.1f}/{lat['ttft']['p99']:.1f} ms, TPOT p50 {lat['tpot']['p50']:.1f} ms, "
-            f"ITL p50/p99 {lat['itl']['p50']:.1f}/{lat['itl']['p99']:.1f} ms, output {s['output_throughput']:.0f} tok/s; "
-            f"TTFT mean = {bd} ms; prefix hit rate {s['prefix_hit_rate']:.1%}; "
-            f"{s['simulated_requests_per_wall_s']:.0f} simulated requests per wall second ({s['wall_s']:.1f} s)")
+    return (
+        f"{mode} @ {rate:g} req/s: {s['completed']}/{s['requests']} completed in {s['duration_s']:.1f} s "
+        f"(virtual); goodput {s['request_goodput'] or 0:.3g} req/s, SLO attainment "
+        f"{s['slo_attainment']:.1%}; "
+        f"TTFT p50/p99 {lat['ttft']['p50']:.1f}/{lat['ttft']['p99']:.1f} ms, TPOT p50 "
+        f"{lat['tpot']['p50']:.1f} ms, "
+        f"ITL p50/p99 {lat['itl']['p50']:.1f}/{lat['itl']['p99']:.1f} ms, output "
+        f"{s['output_throughput']:.0f} tok/s; "
+        f"TTFT mean = {bd} ms; prefix hit rate {s['prefix_hit_rate']:.1%}; "
+        f"{s['simulated_requests_per_wall_s']:.0f} simulated requests per wall second ({s['wall_s']:.1f} s)"
+    )
 
 
 def add_parsers(sub: argparse._SubParsersAction) -> None:
@@ -184,12 +259,19 @@ def add_parsers(sub: argparse._SubParsersAction) -> None:
     p.add_argument("--replicas", type=int, default=2, help="colocated: unified replicas")
     p.add_argument("--prefill", type=int, default=1, help="disaggregated: prefill replicas")
     p.add_argument("--decode", type=int, default=1, help="disaggregated: decode replicas")
-    p.add_argument("--hardware", help="hardware profile of every pool: 'measured' (default), a name in the "
-                   "profile, or <accelerator>-tp<N>-<model>-<dtype>, e.g. h100-sxm-tp8-llama-3-70b-bf16")
+    p.add_argument(
+        "--hardware",
+        help="hardware profile of every pool: 'measured' (default), a name in the "
+        "profile, or <accelerator>-tp<N>-<model>-<dtype>, e.g. h100-sxm-tp8-llama-3-70b-bf16",
+    )
     p.add_argument("--prefill-hardware")
     p.add_argument("--decode-hardware")
     for pool in ("", "unified-", "prefill-", "decode-"):
-        dflt = {"max-num-seqs": 64, "max-num-batched-tokens": 512, "kv-capacity-tokens": None} if not pool else {}
+        dflt = (
+            {"max-num-seqs": 64, "max-num-batched-tokens": 512, "kv-capacity-tokens": None}
+            if not pool
+            else {}
+        )
         for name in ("max-num-seqs", "max-num-batched-tokens", "kv-capacity-tokens"):
             p.add_argument(f"--{pool}{name}", type=int, default=dflt.get(name))
     p.add_argument("--policy", default="kv", choices=("kv", "round_robin", "least_loaded", "random"))
@@ -197,10 +279,16 @@ def add_parsers(sub: argparse._SubParsersAction) -> None:
     p.add_argument("--link-transport", default="ucxx", help="which measured transport's GB/s is the link")
     p.add_argument("--link-gbps", type=float, help="link bandwidth, GB/s (default: the profile's measured)")
     p.add_argument("--link-latency-us", type=float, default=20.0)
-    p.add_argument("--naive-transfer", action="store_true", help="send the KV after the prefill, not per layer")
+    p.add_argument(
+        "--naive-transfer", action="store_true", help="send the KV after the prefill, not per layer"
+    )
     p.add_argument("--first-token-from", choices=("prefill", "decode"), default="prefill")
-    p.add_argument("--request-overhead-ms", type=float, default=0.0,
-                   help="control plane before the engine (client → worker queue)")
+    p.add_argument(
+        "--request-overhead-ms",
+        type=float,
+        default=0.0,
+        help="control plane before the engine (client → worker queue)",
+    )
     p.add_argument("--first-token-overhead-ms", type=float, default=0.0)
     p.add_argument("--decode-start-ms", type=float, default=0.0)
     p.add_argument("--dataset", choices=DATASETS, default="random")

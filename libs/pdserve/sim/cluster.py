@@ -30,6 +30,7 @@ from __future__ import annotations
 import heapq
 from collections import deque
 from collections.abc import Sequence
+from operator import attrgetter
 
 import numpy as np
 
@@ -43,16 +44,44 @@ from pdserve.sim.results import SimResult
 from pdserve.sim.workload import SimRequest
 
 _ARRIVE, _STEP, _JOIN = 0, 1, 2
+# Over this many replicas the policy sees a shortlist: the SHORTLIST with the fewest queued prefill blocks
+# and every replica holding the prompt's first block (a router does the same to bound its decision time).
+SHORTLIST = 8
+_load = attrgetter("queued_blocks")
+_index = attrgetter("index")
+_free = attrgetter("free_blocks")
 
 
 class Replica:
     """One engine of a pool, in the simulation. Request indices everywhere."""
 
-    __slots__ = ("name", "role", "pool", "cost", "cache", "waiting", "prefilling", "pending", "heap", "n_dec",
-                 "ctx", "step_no", "busy", "free_blocks", "queued_blocks", "active", "link_free_s", "plan",
-                 "busy_s", "steps")
+    __slots__ = (
+        "name",
+        "role",
+        "pool",
+        "cost",
+        "cache",
+        "waiting",
+        "prefilling",
+        "pending",
+        "heap",
+        "n_dec",
+        "ctx",
+        "step_no",
+        "busy",
+        "free_blocks",
+        "queued_blocks",
+        "active",
+        "link_free_s",
+        "plan",
+        "busy_s",
+        "steps",
+        "step_ends",
+        "index",
+    )
 
-    def __init__(self, name: str, pool: PoolConfig, prefix_caching: bool) -> None:
+    def __init__(self, index: int, name: str, pool: PoolConfig, prefix_caching: bool) -> None:
+        self.index = index
         self.name, self.role, self.pool, self.cost = name, pool.role, pool, pool.hardware.cost
         caches = prefix_caching and pool.role is not PoolRole.DECODE
         self.cache = PrefixCacheModel(name, pool.capacity_blocks) if caches else None
@@ -71,10 +100,12 @@ class Replica:
         self.plan: tuple = ()
         self.busy_s = 0.0
         self.steps = 0
+        self.step_ends: list[float] = []  # end time of every step, in order
 
 
-def simulate(cfg: ClusterConfig, requests: Sequence[SimRequest], *, max_time_s: float = float("inf")
-             ) -> SimResult:
+def simulate(
+    cfg: ClusterConfig, requests: Sequence[SimRequest], *, max_time_s: float = float("inf")
+) -> SimResult:
     """Run `requests` through `cfg` to the end (every request completes: the config's checks guarantee
     each fits an empty replica, see `SimResult.rejected` for those that cannot) and return the per-request
     times. Deterministic for a given config and workload (the `random` policy is seeded)."""
@@ -85,10 +116,15 @@ def simulate(cfg: ClusterConfig, requests: Sequence[SimRequest], *, max_time_s: 
         prefill_pool = decode_pool = upool
     else:
         prefill_pool, decode_pool = cfg.pool(PoolRole.PREFILL), cfg.pool(PoolRole.DECODE)
-    prefill_reps = [Replica(f"{prefill_pool.role.value}-{i}", prefill_pool, cfg.prefix_caching)
-                    for i in range(prefill_pool.replicas)]
-    decode_reps = prefill_reps if colocated else [
-        Replica(f"decode-{i}", decode_pool, cfg.prefix_caching) for i in range(decode_pool.replicas)]
+    prefill_reps = [
+        Replica(i, f"{prefill_pool.role.value}-{i}", prefill_pool, cfg.prefix_caching)
+        for i in range(prefill_pool.replicas)
+    ]
+    decode_reps = (
+        prefill_reps
+        if colocated
+        else [Replica(i, f"decode-{i}", decode_pool, cfg.prefix_caching) for i in range(decode_pool.replicas)]
+    )
     policy = make_policy(cfg.policy, RouterSettings())
     role = Role.UNIFIED if colocated else Role.PREFILL
     bs = prefill_pool.block_size
@@ -110,6 +146,7 @@ def simulate(cfg: ClusterConfig, requests: Sequence[SimRequest], *, max_time_s: 
     t_kv = [np.nan] * n
     t_finish = [np.nan] * n
     cached = [0] * n
+    join_step = [-1] * n  # steps its decode replica had completed when it joined the batch
     where_p: list[Replica | None] = [None] * n
     where_d: list[Replica | None] = [None] * n
     itl_vals: list[float] = []
@@ -128,44 +165,60 @@ def simulate(cfg: ClusterConfig, requests: Sequence[SimRequest], *, max_time_s: 
 
     admission: deque[int] = deque()
     decode_cap = decode_pool.capacity_blocks
+    arrivals: list[tuple[float, int]] = []  # sent without waiting for another: merged in, not heaped
     for i, r in enumerate(requests):
         if need[i] > decode_cap or plen[i] < 1 or olen[i] < 1:
             rejected.append(i)
         elif r.after >= 0:
             dependents.setdefault(r.after, []).append(i)
         else:
-            push(r.arrival_s + ov.request_s, _ARRIVE, i)
+            arrivals.append((r.arrival_s + ov.request_s, i))
+    arrivals.sort()
 
-    def candidates(i: int, reps: list[Replica]) -> list[Candidate]:
+    def place(i: int, reps: list[Replica]) -> Replica:
+        """The replica the router's policy picks for request `i`'s prefill among `reps`."""
+        if len(reps) == 1:
+            return reps[0]
         hashes = requests[i].block_hashes
         max_hit = (plen[i] - 1) // bs
         prompt_blocks = -(-plen[i] // bs)
         out = []
+        if len(reps) > SHORTLIST:
+            short = {id(r): r for r in heapq.nsmallest(SHORTLIST, reps, key=_load)}
+            if hashes and max_hit:
+                first = hashes[0]
+                short.update((id(r), r) for r in reps if r.cache is not None and r.cache.lookup((first,)))
+            reps = sorted(short.values(), key=_index)
         for rep in reps:
             hit = rep.cache.lookup(hashes[:max_hit]) if rep.cache is not None and hashes else 0
-            out.append(Candidate(
-                worker_id=rep.name, role=role, prompt_blocks=prompt_blocks, cached_blocks=hit,
-                active_prefill_blocks=rep.queued_blocks,
-                active_decode_blocks=(decode_cap - rep.free_blocks + (need[i] if colocated else 0)),
-                active_requests=rep.active, kv_usage=1.0 - rep.free_blocks / max(decode_cap, 1)))
-        return out
+            out.append(
+                Candidate(
+                    worker_id=rep.name,
+                    role=role,
+                    prompt_blocks=prompt_blocks,
+                    cached_blocks=hit,
+                    active_prefill_blocks=rep.queued_blocks,
+                    active_decode_blocks=(decode_cap - rep.free_blocks + (need[i] if colocated else 0)),
+                    active_requests=rep.active,
+                    kv_usage=1.0 - rep.free_blocks / max(decode_cap, 1),
+                )
+            )
+        return reps[policy.select(out)]
 
     def pump(now: float) -> None:
         """Admit from the head of the admission queue while a replica has room for its reservation."""
         while admission:
             i = admission[0]
             if colocated:
-                rep = prefill_reps[policy.select(candidates(i, prefill_reps))] if len(prefill_reps) > 1 \
-                    else prefill_reps[0]
+                rep = place(i, prefill_reps)
                 if rep.free_blocks < need[i]:
                     return
                 drep = rep
             else:
-                drep = max(decode_reps, key=lambda d: d.free_blocks)
+                drep = max(decode_reps, key=_free)
                 if drep.free_blocks < need[i]:
                     return
-                rep = prefill_reps[policy.select(candidates(i, prefill_reps))] if len(prefill_reps) > 1 \
-                    else prefill_reps[0]
+                rep = place(i, prefill_reps)
             admission.popleft()
             drep.free_blocks -= need[i]
             t_admit[i] = now
@@ -185,6 +238,7 @@ def simulate(cfg: ClusterConfig, requests: Sequence[SimRequest], *, max_time_s: 
         while rep.pending and rep.n_dec + len(rep.prefilling) < max_seqs:
             i = rep.pending.popleft()
             heapq.heappush(rep.heap, (rep.step_no + olen[i] - 1, i))
+            join_step[i] = rep.step_no
             rep.n_dec += 1
             rep.ctx += plen[i] + 1
             joined.append(i)
@@ -251,7 +305,11 @@ def simulate(cfg: ClusterConfig, requests: Sequence[SimRequest], *, max_time_s: 
         assert link is not None
         whole = link.latency_s + nbytes / link.bandwidth_bytes_per_s
         start = max(t_pstart[i], rep.link_free_s)
-        done = max(now + whole / num_layers, start + whole) if link.layerwise else max(now, rep.link_free_s) + whole
+        done = (
+            max(now + whole / num_layers, start + whole)
+            if link.layerwise
+            else max(now, rep.link_free_s) + whole
+        )
         rep.link_free_s = done
         t_kv[i] = done
         join = done + ov.decode_start_s
@@ -262,14 +320,21 @@ def simulate(cfg: ClusterConfig, requests: Sequence[SimRequest], *, max_time_s: 
         else:
             push(join, _JOIN, i)
 
-    while heap:
-        now, _, kind, item = heapq.heappop(heap)
+    next_arrival = 0
+    while heap or next_arrival < len(arrivals):
+        if next_arrival < len(arrivals) and (not heap or arrivals[next_arrival][0] <= heap[0][0]):
+            now, item = arrivals[next_arrival]
+            next_arrival += 1
+            kind = _ARRIVE
+        else:
+            now, _, kind, item = heapq.heappop(heap)
         if now > max_time_s:
             break
         if kind == _STEP:
             rep = item  # type: ignore[assignment]
             chunks, joined, n_dec, dur = rep.plan
             rep.step_no += 1
+            rep.step_ends.append(now)
             if n_dec:
                 if n_dec > len(joined):
                     itl_vals.append(dur)
@@ -303,11 +368,24 @@ def simulate(cfg: ClusterConfig, requests: Sequence[SimRequest], *, max_time_s: 
             if not drep.busy:
                 start_step(drep, now)
     return SimResult(
-        config=cfg, requests=list(requests), arrival_s=np.asarray(t_arrive), admit_s=np.asarray(t_admit),
-        prefill_start_s=np.asarray(t_pstart), prefill_end_s=np.asarray(t_pend),
-        first_token_s=np.asarray(t_first), kv_done_s=np.asarray(t_kv), finish_s=np.asarray(t_finish),
-        cached_tokens=np.asarray(cached), itl_values_s=np.asarray(itl_vals),
-        itl_weights=np.asarray(itl_weights, dtype=np.int64), itl_first_s=np.asarray(itl_first),
+        config=cfg,
+        requests=list(requests),
+        arrival_s=np.asarray(t_arrive),
+        admit_s=np.asarray(t_admit),
+        prefill_start_s=np.asarray(t_pstart),
+        prefill_end_s=np.asarray(t_pend),
+        first_token_s=np.asarray(t_first),
+        kv_done_s=np.asarray(t_kv),
+        finish_s=np.asarray(t_finish),
+        cached_tokens=np.asarray(cached),
+        itl_values_s=np.asarray(itl_vals),
+        itl_weights=np.asarray(itl_weights, dtype=np.int64),
+        itl_first_s=np.asarray(itl_first),
         rejected=rejected,
+        join_step=np.asarray(join_step),
+        decode_replica=[d.name if d is not None else "" for d in where_d],
+        step_ends_s={
+            r.name: np.asarray(r.step_ends) for r in {id(x): x for x in prefill_reps + decode_reps}.values()
+        },
         busy_s={r.name: r.busy_s for r in {id(x): x for x in prefill_reps + decode_reps}.values()},
     )

@@ -43,7 +43,12 @@ class StepCost(BaseModel):
         and `decode_seqs` decode tokens over `decode_ctx` context tokens in all."""
         prefill = self.prefill_token_s * prefill_tokens + self.prefill_pair_s * prefill_pairs
         if decode_seqs:
-            return self.decode_fixed_s + self.decode_seq_s * decode_seqs + self.decode_ctx_s * decode_ctx + prefill
+            return (
+                self.decode_fixed_s
+                + self.decode_seq_s * decode_seqs
+                + self.decode_ctx_s * decode_ctx
+                + prefill
+            )
         return self.prefill_fixed_s + prefill
 
     def prefill_s(self, num_tokens: int) -> float:

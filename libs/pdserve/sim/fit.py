@@ -69,6 +69,12 @@ def fit_cost(prefill: Sequence[PrefillSample], decode: Sequence[DecodeSample]) -
     xd = np.array([(1.0, s.batch, s.batch * s.context) for s in decode], dtype=np.float64)
     yd = np.array([s.seconds for s in decode])
     cd = _lstsq_nonneg(xd, yd)
-    cost = StepCost(prefill_fixed_s=cp[0], prefill_token_s=cp[1], prefill_pair_s=cp[2],
-                    decode_fixed_s=cd[0], decode_seq_s=cd[1], decode_ctx_s=cd[2])
+    cost = StepCost(
+        prefill_fixed_s=cp[0],
+        prefill_token_s=cp[1],
+        prefill_pair_s=cp[2],
+        decode_fixed_s=cd[0],
+        decode_seq_s=cd[1],
+        decode_ctx_s=cd[2],
+    )
     return Fit(cost, _error(xp @ cp, yp), _error(xd @ cd, yd))

@@ -22,5 +22,10 @@ def resolve_hardware(profile: Profile, name: str | None) -> HardwareProfile:
         match = _NAME.match(name or "")
         if match is None:
             raise
-    return scaled_profile(accelerator(match["acc"]), published_shape(match["model"]), profile.efficiency,
-                          dtype=match["dtype"], tensor_parallel=int(match["tp"]))
+    return scaled_profile(
+        accelerator(match["acc"]),
+        published_shape(match["model"]),
+        profile.efficiency,
+        dtype=match["dtype"],
+        tensor_parallel=int(match["tp"]),
+    )

@@ -48,8 +48,11 @@ def roofline() -> Roofline:
     src = torch.ones(64 << 20)
     dst = torch.empty_like(src)
     copy_s = _best(3, lambda: (dst.copy_(src), None)[1])
-    return Roofline(gemm_flops=2 * 2048**3 / gemm_s, memory_bytes_per_s=2 * src.nbytes / copy_s,
-                    threads=torch.get_num_threads())
+    return Roofline(
+        gemm_flops=2 * 2048**3 / gemm_s,
+        memory_bytes_per_s=2 * src.nbytes / copy_s,
+        threads=torch.get_num_threads(),
+    )
 
 
 def _prompt(vocab: int, n: int, seed: int) -> list[int]:
@@ -57,8 +60,9 @@ def _prompt(vocab: int, n: int, seed: int) -> list[int]:
     return torch.randint(100, vocab, (n,), generator=g).tolist()
 
 
-def measure_prefill(model: EngineModel, lengths: Iterable[int], chunks: Iterable[int], reps: int,
-                    tick: Callable[[str], None]) -> list[PrefillSample]:
+def measure_prefill(
+    model: EngineModel, lengths: Iterable[int], chunks: Iterable[int], reps: int, tick: Callable[[str], None]
+) -> list[PrefillSample]:
     vocab = model.config.vocab_size
     out = []
     for chunk in chunks:
@@ -67,8 +71,12 @@ def measure_prefill(model: EngineModel, lengths: Iterable[int], chunks: Iterable
             prompt = _prompt(vocab, n, n)
 
             def run(prompt: list[int] = prompt, engine: LLMEngine = engine) -> float:
-                seq = Sequence("p", prompt, SamplingParams(max_tokens=1, temperature=0, ignore_eos=True),
-                               cache_salt=str(next(_salt)))
+                seq = Sequence(
+                    "p",
+                    prompt,
+                    SamplingParams(max_tokens=1, temperature=0, ignore_eos=True),
+                    cache_salt=str(next(_salt)),
+                )
                 engine.add_request(seq)
                 t0 = time.perf_counter()
                 while engine.has_work:
@@ -80,21 +88,33 @@ def measure_prefill(model: EngineModel, lengths: Iterable[int], chunks: Iterable
     return out
 
 
-def measure_decode(model: EngineModel, batches: Iterable[int], contexts: Iterable[int], steps: int,
-                   tick: Callable[[str], None]) -> list[DecodeSample]:
+def measure_decode(
+    model: EngineModel,
+    batches: Iterable[int],
+    contexts: Iterable[int],
+    steps: int,
+    tick: Callable[[str], None],
+) -> list[DecodeSample]:
     vocab = model.config.vocab_size
     batches, contexts = list(batches), list(contexts)
     out = []
     for ctx in contexts:
         need = max(batches) * (-(-(ctx + steps + 2) // 16))
-        engine = LLMEngine(model, EngineConfig(num_blocks=need + 16, max_num_batched_tokens=max(512, max(batches)),
-                                               max_num_seqs=max(batches)))
+        engine = LLMEngine(
+            model,
+            EngineConfig(
+                num_blocks=need + 16, max_num_batched_tokens=max(512, max(batches)), max_num_seqs=max(batches)
+            ),
+        )
         for b in batches:
             seqs = []
             for k in range(b):
-                seq = Sequence(f"d{k}", _prompt(vocab, ctx, k),
-                               SamplingParams(max_tokens=steps + 2, temperature=0, ignore_eos=True),
-                               cache_salt=str(next(_salt)))
+                seq = Sequence(
+                    f"d{k}",
+                    _prompt(vocab, ctx, k),
+                    SamplingParams(max_tokens=steps + 2, temperature=0, ignore_eos=True),
+                    cache_salt=str(next(_salt)),
+                )
                 engine.reserve(seq, steps + 2)
                 engine.mark_computed(seq, len(seq))
                 engine.admit(seq, 1000 + k)
@@ -115,10 +135,14 @@ def measure_decode(model: EngineModel, batches: Iterable[int], contexts: Iterabl
 def cache_bytes(name: str, model: EngineModel) -> CacheBytes:
     spec = model.cache_spec()
     return CacheBytes(
-        family=getattr(model, "family", "llama"), model=name, dtype=str(model.dtype).removeprefix("torch."),
-        num_paged_layers=spec.num_paged_layers, paged_row_shape=list(spec.paged_row_shape),
+        family=getattr(model, "family", "llama"),
+        model=name,
+        dtype=str(model.dtype).removeprefix("torch."),
+        num_paged_layers=spec.num_paged_layers,
+        paged_row_shape=list(spec.paged_row_shape),
         kv_bytes_per_token=spec.kv_bytes_per_token(model.dtype),
-        state_bytes_per_request=spec.state.bytes_per_slot(model.dtype) if spec.state is not None else 0)
+        state_bytes_per_request=spec.state.bytes_per_slot(model.dtype) if spec.state is not None else 0,
+    )
 
 
 def _receiver(kind: str, nbytes: int, num_layers: int, reps: int, conn) -> None:
@@ -185,5 +209,9 @@ def measure_transfer(kind: str, nbytes: int, num_layers: int, reps: int) -> Tran
         child.join(30)
         if child.is_alive():
             child.kill()
-    return TransferSample(transport=kind, nbytes=nbytes - nbytes % (num_layers * 4096), num_layers=num_layers,
-                          seconds=min(seconds))
+    return TransferSample(
+        transport=kind,
+        nbytes=nbytes - nbytes % (num_layers * 4096),
+        num_layers=num_layers,
+        seconds=min(seconds),
+    )

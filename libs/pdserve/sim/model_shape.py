@@ -53,20 +53,40 @@ class ModelShape(BaseModel):
         """The same model with weights and KV in `dtype_bytes` bytes per element (e.g. 2 for bf16)."""
         kv = self.kv_bytes_per_token * dtype_bytes // self.dtype_bytes
         state = self.state_bytes_per_request * dtype_bytes // self.dtype_bytes
-        return self.model_copy(update={"dtype_bytes": dtype_bytes, "kv_bytes_per_token": kv,
-                                       "state_bytes_per_request": state})
+        return self.model_copy(
+            update={"dtype_bytes": dtype_bytes, "kv_bytes_per_token": kv, "state_bytes_per_request": state}
+        )
 
 
-def llama_shape(name: str, *, vocab: int, hidden: int, intermediate: int, layers: int, heads: int,
-                kv_heads: int, head_dim: int, tied: bool, dtype_bytes: int, source: str) -> ModelShape:
+def llama_shape(
+    name: str,
+    *,
+    vocab: int,
+    hidden: int,
+    intermediate: int,
+    layers: int,
+    heads: int,
+    kv_heads: int,
+    head_dim: int,
+    tied: bool,
+    dtype_bytes: int,
+    source: str,
+) -> ModelShape:
     """A Llama (GQA) decoder's shape from its config.json fields."""
     attn = hidden * heads * head_dim + 2 * hidden * kv_heads * head_dim + heads * head_dim * hidden
     mlp = 3 * hidden * intermediate
     return ModelShape(
-        name=name, family="llama", num_layers=layers, hidden_size=hidden, num_heads=heads, head_dim=head_dim,
-        body_params=layers * (attn + mlp), head_params=vocab * hidden,
+        name=name,
+        family="llama",
+        num_layers=layers,
+        hidden_size=hidden,
+        num_heads=heads,
+        head_dim=head_dim,
+        body_params=layers * (attn + mlp),
+        head_params=vocab * hidden,
         embedding_params=0 if tied else vocab * hidden,
-        kv_bytes_per_token=layers * 2 * kv_heads * head_dim * dtype_bytes, dtype_bytes=dtype_bytes,
+        kv_bytes_per_token=layers * 2 * kv_heads * head_dim * dtype_bytes,
+        dtype_bytes=dtype_bytes,
         source=source,
     )
 
@@ -74,13 +94,31 @@ def llama_shape(name: str, *, vocab: int, hidden: int, intermediate: int, layers
 # Published configs (the model cards' config.json), bf16 as served on GPUs.
 PUBLISHED: dict[str, ModelShape] = {
     "llama-3-8b": llama_shape(
-        "llama-3-8b", vocab=128256, hidden=4096, intermediate=14336, layers=32, heads=32, kv_heads=8,
-        head_dim=128, tied=False, dtype_bytes=2,
-        source="https://huggingface.co/meta-llama/Meta-Llama-3-8B/blob/main/config.json"),
+        "llama-3-8b",
+        vocab=128256,
+        hidden=4096,
+        intermediate=14336,
+        layers=32,
+        heads=32,
+        kv_heads=8,
+        head_dim=128,
+        tied=False,
+        dtype_bytes=2,
+        source="https://huggingface.co/meta-llama/Meta-Llama-3-8B/blob/main/config.json",
+    ),
     "llama-3-70b": llama_shape(
-        "llama-3-70b", vocab=128256, hidden=8192, intermediate=28672, layers=80, heads=64, kv_heads=8,
-        head_dim=128, tied=False, dtype_bytes=2,
-        source="https://huggingface.co/meta-llama/Meta-Llama-3-70B/blob/main/config.json"),
+        "llama-3-70b",
+        vocab=128256,
+        hidden=8192,
+        intermediate=28672,
+        layers=80,
+        heads=64,
+        kv_heads=8,
+        head_dim=128,
+        tied=False,
+        dtype_bytes=2,
+        source="https://huggingface.co/meta-llama/Meta-Llama-3-70B/blob/main/config.json",
+    ),
 }
 
 

@@ -16,8 +16,12 @@ from pdserve.sim.results import SimResult  # noqa: E402
 from pdserve.sim.search import RateProbe  # noqa: E402
 
 
-def plot_result(results: dict[str, SimResult], path: Path, title: str,
-                probes: dict[str, Sequence[RateProbe]] | None = None) -> Path:
+def plot_result(
+    results: dict[str, SimResult],
+    path: Path,
+    title: str,
+    probes: dict[str, Sequence[RateProbe]] | None = None,
+) -> Path:
     """One row per figure: TTFT CDF, TPOT CDF, TTFT breakdown (stacked mean), and, with `probes`,
     attainment vs request rate; one line per labelled result."""
     ncols = 4 if probes else 3

@@ -39,9 +39,12 @@ class ProfileConfig:
     transfer_layers: int = 30
     kv_capacity_tokens: int = 32768
     max_num_batched_tokens: int = 512
-    hardware: list[tuple[str, str, str, int]] = field(default_factory=lambda: [
-        (acc, "llama-3-70b", "bf16", 8) for acc in ("h100-sxm", "h200", "a100-80gb", "b200", "mi300x")
-    ] + [(acc, "llama-3-8b", "bf16", 1) for acc in ACCELERATORS])
+    hardware: list[tuple[str, str, str, int]] = field(
+        default_factory=lambda: (
+            [(acc, "llama-3-70b", "bf16", 8) for acc in ("h100-sxm", "h200", "a100-80gb", "b200", "mi300x")]
+            + [(acc, "llama-3-8b", "bf16", 1) for acc in ACCELERATORS]
+        )
+    )
 
 
 def shape_of(name: str, model) -> ModelShape:
@@ -55,11 +58,20 @@ def shape_of(name: str, model) -> ModelShape:
     heads = getattr(cfg, "num_heads", None) or cfg.num_attention_heads
     head_dim = getattr(cfg, "head_dim", None) or cfg.qk_nope_head_dim + cfg.qk_rope_head_dim
     return ModelShape(
-        name=name, family=getattr(model, "family", "llama"), num_layers=spec.num_paged_layers, hidden_size=cfg.hidden_size,
-        num_heads=heads, head_dim=head_dim, body_params=weights - head - embedding, head_params=head,
-        embedding_params=embedding, kv_bytes_per_token=spec.kv_bytes_per_token(model.dtype),
+        name=name,
+        family=getattr(model, "family", "llama"),
+        num_layers=spec.num_paged_layers,
+        hidden_size=cfg.hidden_size,
+        num_heads=heads,
+        head_dim=head_dim,
+        body_params=weights - head - embedding,
+        head_params=head,
+        embedding_params=embedding,
+        kv_bytes_per_token=spec.kv_bytes_per_token(model.dtype),
         state_bytes_per_request=spec.state.bytes_per_slot(model.dtype) if spec.state is not None else 0,
-        dtype_bytes=model.dtype.itemsize, source=f"pdserve's {name} (engine/loader.py), counted from its weights")
+        dtype_bytes=model.dtype.itemsize,
+        source=f"pdserve's {name} (engine/loader.py), counted from its weights",
+    )
 
 
 def _weights(model) -> list[torch.Tensor]:
@@ -69,8 +81,13 @@ def _weights(model) -> list[torch.Tensor]:
 def run_profile(cfg: ProfileConfig, progress: bool = True) -> Profile:
     started = time.monotonic()
     torch.set_num_threads(1)
-    steps = (len(cfg.prompt_lengths) * len(cfg.chunk_sizes) + len(cfg.batches) * len(cfg.contexts)
-             + len(cfg.families) + len(cfg.transports) + 1)
+    steps = (
+        len(cfg.prompt_lengths) * len(cfg.chunk_sizes)
+        + len(cfg.batches) * len(cfg.contexts)
+        + len(cfg.families)
+        + len(cfg.transports)
+        + 1
+    )
     bar = tqdm(total=steps, desc="pdserve profile", disable=not progress, unit="step")
 
     def tick(what: str) -> None:
@@ -94,7 +111,9 @@ def run_profile(cfg: ProfileConfig, progress: bool = True) -> Profile:
     transfers, notes = [], []
     for kind in cfg.transports:
         try:
-            transfers.append(measure.measure_transfer(kind, cfg.transfer_bytes, cfg.transfer_layers, cfg.reps))
+            transfers.append(
+                measure.measure_transfer(kind, cfg.transfer_bytes, cfg.transfer_layers, cfg.reps)
+            )
             tick(f"{kind}: {transfers[-1].gb_s:.2f} GB/s")
         except Exception as e:  # a transport that cannot run here is reported, not fatal
             notes.append(f"{kind}: not measured ({type(e).__name__}: {e})")
@@ -104,28 +123,48 @@ def run_profile(cfg: ProfileConfig, progress: bool = True) -> Profile:
     shape = shape_of(cfg.model, _WithWeights(model, loaded_weights))
     eff = Efficiency(
         compute=min(1.0, shape.flops_per_token / fit.cost.prefill_token_s / roof.gemm_flops)
-        if fit.cost.prefill_token_s > 0 else 1.0,
+        if fit.cost.prefill_token_s > 0
+        else 1.0,
         memory=min(1.0, shape.weight_bytes / fit.cost.decode_fixed_s / roof.memory_bytes_per_s)
-        if fit.cost.decode_fixed_s > 0 else 1.0,
+        if fit.cost.decode_fixed_s > 0
+        else 1.0,
     )
     measured = HardwareProfile(
-        name="measured", accelerator=f"this machine's CPU ({platform.processor() or platform.machine()}, 1 thread)",
-        dtype=str(model.dtype).removeprefix("torch."), model=shape, cost=fit.cost,
+        name="measured",
+        accelerator=f"this machine's CPU ({platform.processor() or platform.machine()}, 1 thread)",
+        dtype=str(model.dtype).removeprefix("torch."),
+        model=shape,
+        cost=fit.cost,
         kv_capacity_tokens=cfg.kv_capacity_tokens,
-        sources={"cost": "measured here (pdserve profile)", "kv capacity": "PDS_KV_CAPACITY_TOKENS default"})
+        sources={"cost": "measured here (pdserve profile)", "kv capacity": "PDS_KV_CAPACITY_TOKENS default"},
+    )
     hardware = []
     for acc, model_name, dtype, tp in cfg.hardware:
         try:
-            hardware.append(scaled_profile(ACCELERATORS[acc], published_shape(model_name), eff, dtype=dtype,
-                                           tensor_parallel=tp))
+            hardware.append(
+                scaled_profile(
+                    ACCELERATORS[acc], published_shape(model_name), eff, dtype=dtype, tensor_parallel=tp
+                )
+            )
         except (KeyError, ValueError) as e:
             notes.append(f"{acc} {model_name} {dtype} tp{tp}: {e}")
     profile = Profile(
         created_at=datetime.now(UTC).isoformat(timespec="seconds"),
-        machine=f"{platform.machine()}, {platform.platform()}", model=shape,
-        max_num_batched_tokens=cfg.max_num_batched_tokens, prefill=prefill, decode=decode, cost=fit.cost,
-        prefill_fit=fit.prefill, decode_fit=fit.decode, roofline=roof, efficiency=eff, families=families,
-        transfers=transfers, measured=measured, hardware=hardware, notes=notes,
+        machine=f"{platform.machine()}, {platform.platform()}",
+        model=shape,
+        max_num_batched_tokens=cfg.max_num_batched_tokens,
+        prefill=prefill,
+        decode=decode,
+        cost=fit.cost,
+        prefill_fit=fit.prefill,
+        decode_fit=fit.decode,
+        roofline=roof,
+        efficiency=eff,
+        families=families,
+        transfers=transfers,
+        measured=measured,
+        hardware=hardware,
+        notes=notes,
         elapsed_s=time.monotonic() - started,
     )
     return profile

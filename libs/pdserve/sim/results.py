@@ -24,7 +24,9 @@ class SimResult:
     sent, admitted (decode KV reserved), prefill scheduled, prefill done, first token at the client, KV
     transfer done (disaggregated), last token; prefix-cache hit tokens. ITL: every decode step's duration
     with the number of tokens it produced at that gap (`itl_values_s`, `itl_weights`) and each sequence's
-    first decode gap (`itl_first_s`). `busy_s`: each replica's total step time."""
+    first decode gap (`itl_first_s`). `busy_s`: each replica's total step time; `step_ends_s`: each
+    replica's step end times,
+    with `join_step` and `decode_replica` enough to list any request's token times (`token_times_s`)."""
 
     config: ClusterConfig
     requests: list[SimRequest]
@@ -40,7 +42,20 @@ class SimResult:
     itl_weights: np.ndarray
     itl_first_s: np.ndarray
     rejected: list[int] = field(default_factory=list)
+    join_step: np.ndarray = field(default_factory=lambda: np.zeros(0, dtype=np.int64))
+    decode_replica: list[str] = field(default_factory=list)
+    step_ends_s: dict[str, np.ndarray] = field(default_factory=dict)
     busy_s: dict[str, float] = field(default_factory=dict)
+
+    def token_times_s(self, i: int) -> list[float]:
+        """Request `i`'s output token times: its first token, then the end of each decode step it was in
+        (`join_step`: the steps its decode replica had done when it joined)."""
+        n = self.requests[i].output_len
+        if n == 1:
+            return [float(self.first_token_s[i])]
+        steps = self.step_ends_s[self.decode_replica[i]]
+        s = int(self.join_step[i])
+        return [float(self.first_token_s[i]), *(float(t) for t in steps[s : s + n - 1])]
 
     @property
     def done(self) -> np.ndarray:
@@ -64,7 +79,8 @@ class SimResult:
 
     @property
     def tpot_s(self) -> np.ndarray:
-        """(E2EL − TTFT) / (output − 1); 0 for one output token (vLLM's rule, counted as meeting a TPOT SLO)."""
+        """(E2EL − TTFT) / (output − 1); 0 for one output token (vLLM's rule, counted as meeting a TPOT "
+        "SLO)."""
         out = self.output_len
         with np.errstate(invalid="ignore", divide="ignore"):
             return np.where(out > 1, (self.finish_s - self.first_token_s) / np.maximum(out - 1, 1), 0.0)
@@ -84,8 +100,9 @@ class SimResult:
             ok &= np.nan_to_num(values[key], nan=np.inf) * 1000.0 <= ms
         return ok
 
-    def metrics(self, goodput_slo_ms: Mapping[str, float] | None = None,
-                percentiles: Sequence[float] = PERCENTILES) -> BenchmarkMetrics:
+    def metrics(
+        self, goodput_slo_ms: Mapping[str, float] | None = None, percentiles: Sequence[float] = PERCENTILES
+    ) -> BenchmarkMetrics:
         """`calculate_metrics`' numbers (bench/metrics.py) from the simulated times: duration = first send
         → last token."""
         done = self.done
@@ -96,17 +113,23 @@ class SimResult:
         total_out = int(out[done].sum())
         tpot = self.tpot_s[done & (out > 1)]
         return BenchmarkMetrics(
-            completed=int(done.sum()), failed=int((~done).sum()), total_input=total_in, total_output=total_out,
-            duration_s=duration, request_throughput=done.sum() / duration,
+            completed=int(done.sum()),
+            failed=int((~done).sum()),
+            total_input=total_in,
+            total_output=total_out,
+            duration_s=duration,
+            request_throughput=done.sum() / duration,
             request_goodput=float(self.meets(slo).sum()) / duration if slo else None,
-            output_throughput=total_out / duration, total_token_throughput=(total_in + total_out) / duration,
+            output_throughput=total_out / duration,
+            total_token_throughput=(total_in + total_out) / duration,
             latency={
                 "ttft": distribution(self.ttft_s[done], percentiles),
                 "tpot": distribution(tpot, percentiles),
                 "itl": distribution(self.itl_s(), percentiles),
                 "e2el": distribution(self.e2el_s[done], percentiles),
             },
-            goodput_slo_ms=slo, max_concurrent_requests=_peak(self.arrival_s[done], self.finish_s[done]),
+            goodput_slo_ms=slo,
+            max_concurrent_requests=_peak(self.arrival_s[done], self.finish_s[done]),
         )
 
     def ttft_breakdown_s(self) -> dict[str, float]:
@@ -115,8 +138,11 @@ class SimResult:
         ov = self.config.overheads
         reached = self.arrival_s + ov.request_s
         first_from_decode = self.config.first_token_from == "decode" and self.config.mode == "disaggregated"
-        exposed = (self.first_token_s - ov.first_token_s - self.prefill_end_s) if first_from_decode else \
-            np.zeros_like(self.arrival_s)
+        exposed = (
+            (self.first_token_s - ov.first_token_s - self.prefill_end_s)
+            if first_from_decode
+            else np.zeros_like(self.arrival_s)
+        )
         phases = {
             "control": np.full_like(self.arrival_s, ov.request_s),
             "admission": self.admit_s - reached,
@@ -130,13 +156,20 @@ class SimResult:
     def summary(self, goodput_slo_ms: Mapping[str, float]) -> dict[str, Any]:
         """The numbers a report prints (latencies in ms), as `bench compare`'s point summary names them."""
         m = self.metrics(goodput_slo_ms)
-        lat = {k: {"p50": d.median_ms, "p90": d.p(90), "p99": d.p(99), "mean": d.mean_ms}
-               for k, d in m.latency.items()}
+        lat = {
+            k: {"p50": d.median_ms, "p90": d.p(90), "p99": d.p(99), "mean": d.mean_ms}
+            for k, d in m.latency.items()
+        }
         return {
-            "mode": self.config.mode, "requests": len(self.requests), "completed": m.completed,
-            "rejected": len(self.rejected), "duration_s": m.duration_s,
-            "request_throughput": m.request_throughput, "request_goodput": m.request_goodput,
-            "slo_attainment": self.attainment(goodput_slo_ms), "output_throughput": m.output_throughput,
+            "mode": self.config.mode,
+            "requests": len(self.requests),
+            "completed": m.completed,
+            "rejected": len(self.rejected),
+            "duration_s": m.duration_s,
+            "request_throughput": m.request_throughput,
+            "request_goodput": m.request_goodput,
+            "slo_attainment": self.attainment(goodput_slo_ms),
+            "output_throughput": m.output_throughput,
             "latency_ms": lat,
             "ttft_breakdown_mean_ms": {k: v * 1000.0 for k, v in self.ttft_breakdown_s().items()},
             "prefix_hit_rate": float(self.cached_tokens.sum()) / max(int(self.prompt_len.sum()), 1),

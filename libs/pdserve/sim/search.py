@@ -28,9 +28,16 @@ class GoodputSearch(NamedTuple):
     probes: list[RateProbe]
 
 
-def max_rate(cfg: ClusterConfig, workload: Workload, slo_ms: Mapping[str, float], attainment: float = 0.9,
-             lo: float = 0.0, hi: float | None = None, rel_tol: float = 0.05, max_probes: int = 24
-             ) -> GoodputSearch:
+def max_rate(
+    cfg: ClusterConfig,
+    workload: Workload,
+    slo_ms: Mapping[str, float],
+    attainment: float = 0.9,
+    lo: float = 0.0,
+    hi: float | None = None,
+    rel_tol: float = 0.05,
+    max_probes: int = 24,
+) -> GoodputSearch:
     """Bisection on the request rate. `hi` None: doubled from 1 req/s until a probe fails."""
     probes: list[RateProbe] = []
 
@@ -61,9 +68,14 @@ class Split(NamedTuple):
     attainment: float
 
 
-def cheapest_split(build: Callable[[int, int], ClusterConfig], requests: Sequence[SimRequest],
-                   slo_ms: Mapping[str, float], attainment: float, max_replicas: int,
-                   disaggregated: bool) -> tuple[Split | None, list[Split]]:
+def cheapest_split(
+    build: Callable[[int, int], ClusterConfig],
+    requests: Sequence[SimRequest],
+    slo_ms: Mapping[str, float],
+    attainment: float,
+    max_replicas: int,
+    disaggregated: bool,
+) -> tuple[Split | None, list[Split]]:
     """The split with the fewest replicas in all (at equal totals, the fewest prefill replicas) holding
     `attainment` on `requests`; every split tried, in order. `build(p, d)`
     makes the cluster (colocated: `build(n, 0)`). None when no split up to `max_replicas` holds it."""

@@ -28,17 +28,31 @@ class SimRequest(NamedTuple):
     after: int = -1
 
 
-def from_samples(samples: Sequence[SampleRequest], arrivals_s: Sequence[float], block_size: int = 16,
-                 hash_seed: int = 0) -> list[SimRequest]:
+def from_samples(
+    samples: Sequence[SampleRequest], arrivals_s: Sequence[float], block_size: int = 16, hash_seed: int = 0
+) -> list[SimRequest]:
     """The bench requests `samples` sent at `arrivals_s`, their blocks hashed as a worker hashes them."""
-    return [SimRequest(float(t), s.prompt_len, s.output_len,
-                       tuple(hash_blocks(s.prompt, block_size, hash_seed)),
-                       -1 if s.after is None else s.after)
-            for s, t in zip(samples, arrivals_s, strict=True)]
+    return [
+        SimRequest(
+            float(t),
+            s.prompt_len,
+            s.output_len,
+            tuple(hash_blocks(s.prompt, block_size, hash_seed)),
+            -1 if s.after is None else s.after,
+        )
+        for s, t in zip(samples, arrivals_s, strict=True)
+    ]
 
 
-def random_lengths(num_requests: int, input_len: int, output_len: int, request_rate: float,
-                   range_ratio: float = 0.0, burstiness: float = 1.0, seed: int = 0) -> list[SimRequest]:
+def random_lengths(
+    num_requests: int,
+    input_len: int,
+    output_len: int,
+    request_rate: float,
+    range_ratio: float = 0.0,
+    burstiness: float = 1.0,
+    seed: int = 0,
+) -> list[SimRequest]:
     """Lengths as `random_dataset` draws them (uniform in [⌊L(1−r)⌋, ⌈L(1+r)⌉], same rng order for the
     same seed, prefix 0), arrivals as `vllm bench serve` (gamma renewal), no shared blocks."""
     rng = np.random.default_rng(seed)
