@@ -1,2 +1,2 @@
-"""Published hardware numbers the simulator scales to: accelerators (`accelerators.py`) and links
-(`links.py`). Every number carries the datasheet it comes from."""
+"""Published hardware figures the advisor and the simulator reason with: interconnects (`links`) and
+accelerators (`accelerators`), each number with the source it was taken from."""

@@ -1,0 +1,323 @@
+"""`pdserve advise` on a scripted event log in Postgres: four workloads, each in its own time window, give
+their stage and the exact numbers behind it (RAG on a colocated pool → 3, chat → 1 "not yet", admission
+pressure → 2, shared-prefix traffic round-robined over 4 prefill replicas → 4)."""
+
+from __future__ import annotations
+
+import json
+import random
+import time
+from datetime import UTC, datetime
+
+import pytest
+
+from pdserve.advise.decide import advise
+from pdserve.advise.evidence import load_events, measure
+from pdserve.cli import main as cli
+from pdserve.cli.advise import model_spec
+from pdserve.engine.block_hash import hash_blocks
+from pdserve.events import (
+    AdmissionDeferred,
+    Event,
+    PrefillCompleted,
+    RequestCompleted,
+    RequestReceived,
+    RequestRouted,
+    TokensCommitted,
+    TransferCompleted,
+    TTFTBreakdown,
+)
+from pdserve.hardware.links import link
+from pdserve.ids import new_id
+from pdserve.store.queries import make_db
+from pdserve.store.rows import event_row
+from pdserve.store.tables import events
+
+T0 = time.time() + 40 * 86400  # windows no other test writes into
+RAG, CHAT, CAPACITY, AGENTIC = (T0 + 100 * k for k in range(4))
+SHM = link("UCX shared memory (this machine)")
+PREFIX = list(range(1000, 1448))  # 448 tokens = 28 blocks of 16, shared by every agentic request
+
+
+def _ev(rid, payload, t, service="coordinator", worker=None):
+    return Event.of(rid, payload, service=service, worker_id=worker).model_copy(update={"ts": t})
+
+
+def _request(
+    t,
+    prompt,
+    completion,
+    mode,
+    prefill_worker,
+    decode_worker,
+    prefill_s,
+    stall_window=None,
+    deferred=False,
+    prefill=None,
+    transfer=None,
+    hashes=(),
+):
+    """One request's events: received, (deferred), routed, (prefill, transfer), commits of 16 tokens
+    20 ms apart per token (window `stall_window` at 100 ms per token), completed."""
+    rid = new_id()
+    out = [
+        _ev(
+            rid,
+            RequestReceived(
+                model="m",
+                endpoint="/v1/completions",
+                num_prompt_tokens=prompt,
+                max_tokens=completion,
+                stream=True,
+            ),
+            t,
+            "gateway",
+        )
+    ]
+    if deferred:
+        out.append(_ev(rid, AdmissionDeferred(decode_worker_id=decode_worker, reason="full"), t + 0.001))
+    out.append(
+        _ev(
+            rid,
+            RequestRouted(
+                mode=mode,
+                prefill_worker_id=prefill_worker,
+                decode_worker_id=decode_worker,
+                candidates=[],
+                route_s=0.001,
+                policy=(prefill or {}).get("policy", "kv"),
+                block_size=16 if hashes else 0,
+                prompt_block_hashes=hashes,
+                best_cached_tokens=(prefill or {}).get("best", 0),
+            ),
+            t + 0.002,
+        )
+    )
+    if prefill is not None:
+        out.append(
+            _ev(
+                rid,
+                PrefillCompleted(
+                    prefill_worker_id=prefill_worker,
+                    transfer_id="x",
+                    first_token_id=1,
+                    num_cached_tokens=prefill["cached"],
+                    num_computed_tokens=prompt - prefill["cached"],
+                    kv_bytes=prompt * 512,
+                    prefill_s=prefill_s,
+                    **({"num_cached_tokens_by_tier": prefill["tiers"]} if "tiers" in prefill else {}),
+                ),
+                t + 0.1,
+                "prefill",
+                prefill_worker,
+            )
+        )
+    if transfer is not None:
+        out.append(
+            _ev(
+                rid,
+                TransferCompleted(
+                    transfer_id="x",
+                    transport="ucxx",
+                    kv_bytes=transfer[0],
+                    num_layers=2,
+                    transfer_s=transfer[1],
+                    checksum_ok=True,
+                ),
+                t + 0.1,
+                "decode",
+                decode_worker,
+            )
+        )
+    ts, left, k = t + 1.0, completion, 0
+    while left > 0:
+        n = min(16, left)
+        if k:
+            ts += n * (0.1 if k == stall_window else 0.02)
+        out.append(
+            _ev(
+                rid,
+                TokensCommitted(start_index=completion - left, token_ids=[7] * n),
+                ts,
+                "decode",
+                decode_worker,
+            )
+        )
+        left, k = left - n, k + 1
+    ttft = TTFTBreakdown(
+        queue_s=0.0,
+        route_s=0.001,
+        reserve_s=0.001,
+        prefill_s=prefill_s,
+        exposed_transfer_s=0.0,
+        first_token_s=0.0,
+        ttft_s=prefill_s + 0.002,
+    )
+    out.append(
+        _ev(
+            rid,
+            RequestCompleted(
+                finish_reason="length",
+                prompt_tokens=prompt,
+                completion_tokens=completion,
+                ttft=ttft,
+                e2e_s=2.0,
+            ),
+            ts + 0.01,
+        )
+    )
+    return out
+
+
+def scripted_log() -> list[Event]:
+    log = []
+    for i in range(5):  # RAG, 10:1 on two colocated unified workers; one window of request 0 stalls
+        log += _request(
+            RAG + i,
+            1000,
+            100,
+            "colocated",
+            f"unified-{i % 2}",
+            f"unified-{i % 2}",
+            0.5,
+            stall_window=3 if i == 0 else None,
+        )
+    for i in range(4):  # chat, 1:20 on one unified worker, steady ITL
+        log += _request(CHAT + i, 50, 1000, "colocated", "unified-0", "unified-0", 0.05)
+    for i in range(4):  # admission pressure: half the requests waited for KV
+        log += _request(
+            CAPACITY + i, 200, 20, "colocated", "unified-0", "unified-0", 0.1, deferred=i % 2 == 0
+        )
+    for i in range(8):  # agentic: a 448-token shared prefix, round robin over 4 prefill replicas
+        hashes = hash_blocks(PREFIX + [5000 + 64 * i + j for j in range(64)], 16)
+        cached = 448 if i >= 4 else 0
+        pre = {"cached": cached, "best": 448 if i else 0, "policy": "round_robin"}
+        if i == 7:
+            pre["tiers"] = {"gpu": 320, "host": 128}
+        log += _request(
+            AGENTIC + i,
+            512,
+            4,
+            "disaggregated",
+            f"prefill-{i % 4}",
+            "decode-0",
+            0.05,
+            prefill=pre,
+            transfer=(512 * 512, 0.002),
+            hashes=hashes,
+        )
+    return log
+
+
+@pytest.fixture(scope="module")
+async def logged(database_url: str) -> str:
+    db = make_db(database_url)
+    base = 2 * 10**12 + random.randrange(10**9)
+    async with db.begin() as conn:
+        await conn.execute(events.insert(), [event_row(e, base + i) for i, e in enumerate(scripted_log())])
+    await db.dispose()
+    return database_url
+
+
+async def _advice(url: str, t0: float, model: str):
+    db = make_db(url)
+    try:
+        evts = await load_events(
+            db, datetime.fromtimestamp(t0 - 1, UTC), datetime.fromtimestamp(t0 + 50, UTC)
+        )
+    finally:
+        await db.dispose()
+    return advise(measure(evts), model_spec(model, None, None), SHM, 2, 12e9, "test: 12 GB")
+
+
+async def test_rag_on_a_colocated_pool_with_interference_is_stage_3(logged):
+    a = await _advice(logged, RAG, "smollm2")
+    m = {k: v.value for k, v in a.measurements.items()}
+    assert (a.stage, a.requests, a.completed, a.modes) == (3, 5, 5, {"colocated": 5})
+    assert [v.status for v in a.stages] == [
+        "baseline",
+        "not yet",
+        "warranted",
+        "unknown",
+    ]  # 2 replicas, no hits logged
+    # ITL from the commit windows: 29 at 20 ms, one at 100 ms; p99 interpolated between them
+    assert m["itl_p50_ms"] == pytest.approx(20.0, rel=1e-4)
+    assert m["itl_p99_ms"] == pytest.approx(20 + 80 * 0.71, rel=1e-4)
+    assert m["itl_p99_over_p50"] == pytest.approx(3.84, rel=1e-4)
+    assert m["prompt_to_output_ratio"] == 10.0
+    assert m["kv_bytes_p95_estimated"] == 1000 * 46080  # SmolLM2 fp32: 30 layers × 2 × 3 heads × 64 × 4 B
+    assert m["transfer_s_p95_on_link"] == pytest.approx(46.08e6 / 4.15e9 + 1e-6)
+    assert m["prefill_s_p95"] == 0.5
+    assert m["weight_duplication_share"] == pytest.approx(538_060_032 / 24e9)
+    assert (
+        a.measurements["preemptions"].value is None and "not an event" in a.measurements["preemptions"].note
+    )
+    assert a.measurements["hit_rate"].value is None  # a colocated prefill reports no cached tokens
+    answers = {c.question.split("?")[0]: c.answer for c in a.checks if c.stage == 3}
+    assert list(answers.values()) == ["yes", "yes", "yes", "yes", "yes", "unknown"]
+
+
+async def test_chat_without_interference_is_not_yet(logged):
+    a = await _advice(logged, CHAT, "smollm2")
+    assert a.stage == 1 and a.verdict.startswith("not yet: stay at stage 1")
+    assert a.measurements["itl_p99_over_p50"].value == pytest.approx(1.0, rel=1e-4)
+    assert a.measurements["prompt_to_output_ratio"].value == 0.05
+    assert [v.status for v in a.stages] == ["baseline", "not yet", "not yet", "not yet"]
+    assert "Prefill/decode interference" in a.stages[2].because
+
+
+async def test_admission_pressure_is_stage_2(logged):
+    a = await _advice(logged, CAPACITY, "smollm2")
+    assert a.stage == 2 and a.measurements["admission_deferred_share"].value == 0.5
+    assert a.stages[1].status == "warranted" and a.stages[1].because.startswith("capacity-bound")
+
+
+async def test_shared_prefix_round_robin_over_four_replicas_is_stage_4(logged):
+    a = await _advice(logged, AGENTIC, "tiny")
+    m = {k: v.value for k, v in a.measurements.items()}
+    assert a.stage == 4 and [v.status for v in a.stages] == ["baseline", "in place", "in place", "warranted"]
+    assert (m["hit_rate"], m["router_ceiling_hit_rate"]) == (1792 / 4096, 3136 / 4096)
+    assert m["routing_gap_share"] == 1344 / 4096
+    assert (m["reuse_ceiling_hit_rate"], m["eviction_gap_share"]) == (3136 / 4096, 0.0)
+    assert m["tier_hit_rate[host]"] == 128 / 4096
+    assert m["transfer_GB_s_max"] == pytest.approx(512 * 512 / 0.002 / 1e9)
+    assert "nearest in the link table: Ethernet 25G (TCP)" in a.measurements["interconnect_class"].note
+    assert m["transfer_s_p95_on_link"] == pytest.approx(512 * 512 / 4.15e9 + 1e-6)
+    assert [(r.replica, r.hit_rate) for r in a.replicas] == [
+        ("prefill-0", 448 / 1024),
+        ("prefill-1", 448 / 1024),
+        ("prefill-2", 448 / 1024),
+        ("prefill-3", 448 / 1024),
+    ]
+    assert a.measurements["itl_p99_over_p50"].value is None  # one commit per request: the log shows no ITL
+
+
+def test_cli_prints_the_advice_as_json(logged, capsys, tmp_path):
+    since = datetime.fromtimestamp(RAG - 1, UTC).isoformat()
+    until = datetime.fromtimestamp(RAG + 50, UTC).isoformat()
+    assert (
+        cli.main(
+            [
+                "advise",
+                "--database-url",
+                logged,
+                "--since",
+                since,
+                "--until",
+                until,
+                "--model",
+                "smollm2",
+                "--fleet",
+                "2",
+                "--accelerator-memory-gb",
+                "12",
+                "--json",
+                "--plot",
+                str(tmp_path / "a.png"),
+            ]
+        )
+        == 0
+    )
+    out = json.loads(capsys.readouterr().out)
+    assert out["stage"] == 3 and out["measurements"]["prompt_to_output_ratio"]["source"].startswith("Σ")
+    assert (tmp_path / "a.png").stat().st_size > 10_000
