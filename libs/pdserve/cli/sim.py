@@ -3,7 +3,7 @@
     pdserve sim --profile var/profile.json --mode both --replicas 2 --prefill 1 --decode 1 \
         --input-len 120 --output-len 12 --num-prompts 200 --request-rate 1 --goodput ttft:2000 tpot:200
     pdserve sim --hardware h100-sxm-tp8-llama-3-70b-bf16 --mode disaggregated --prefill 64 --decode 64 \
-        --link-gbps 50 --input-len 2000 --output-len 200 --num-prompts 100000 --request-rate 400 \
+        --link 'InfiniBand NDR' --input-len 2000 --output-len 200 --num-prompts 100000 --request-rate 400 \
         --max-num-seqs 256 --max-num-batched-tokens 8192 --no-prefix-caching
     pdserve sim ... --search rate            # DistServe's goodput: the highest rate at --attainment
     pdserve sim ... --search split --max-replicas 8   # the fewest replicas holding --request-rate
@@ -46,7 +46,7 @@ def _pool(args: argparse.Namespace, role, replicas: int, hardware, prefix: str):
 def build_cluster(args: argparse.Namespace, profile, mode: str, prefill: int, decode: int):
     """The `ClusterConfig` the flags describe for `mode` with `prefill` (colocated: unified) and `decode`
     replicas."""
-    from pdserve.sim.config import ClusterConfig, LinkConfig, Overheads, PoolRole
+    from pdserve.sim.config import ClusterConfig, Overheads, PoolRole
     from pdserve.sim.hardware import resolve_hardware
 
     hw_p = resolve_hardware(profile, args.prefill_hardware or args.hardware)
@@ -59,22 +59,7 @@ def build_cluster(args: argparse.Namespace, profile, mode: str, prefill: int, de
     common = dict(policy=args.policy, prefix_caching=not args.no_prefix_caching, overheads=overheads)
     if mode == "colocated":
         return ClusterConfig(pools=[_pool(args, PoolRole.UNIFIED, prefill, hw_p, "unified")], **common)
-    gbs = args.link_gbps
-    source = "--link-gbps"
-    if gbs is None:
-        measured = profile.transfer_gb_s(args.link_transport)
-        gbs, source = (
-            (measured, f"measured here: {args.link_transport} (pdserve profile)")
-            if measured
-            else (10.0, "default")
-        )
-    link = LinkConfig(
-        name=args.link_transport,
-        bandwidth_bytes_per_s=gbs * 1e9,
-        latency_s=args.link_latency_us / 1e6,
-        layerwise=not args.naive_transfer,
-        source=source,
-    )
+    link = _link(args, profile)
     return ClusterConfig(
         pools=[
             _pool(args, PoolRole.PREFILL, prefill, hw_p, "prefill"),
@@ -83,6 +68,45 @@ def build_cluster(args: argparse.Namespace, profile, mode: str, prefill: int, de
         link=link,
         first_token_from=args.first_token_from,
         **common,
+    )
+
+
+def _link(args: argparse.Namespace, profile):
+    """--link-gbps (with --link-latency-us), else --link from the interconnect table (hardware/links.py:
+    its achievable bandwidth and latency), else the profile's measured GB/s over --link-transport."""
+    from pdserve.sim.config import LinkConfig
+
+    layerwise = not args.naive_transfer
+    if args.link_gbps is not None:
+        return LinkConfig(
+            name="--link-gbps",
+            bandwidth_bytes_per_s=args.link_gbps * 1e9,
+            latency_s=args.link_latency_us / 1e6,
+            layerwise=layerwise,
+            source="--link-gbps",
+        )
+    if args.link:
+        from pdserve.hardware.links import link
+
+        row = link(args.link)
+        return LinkConfig(
+            name=row.name,
+            bandwidth_bytes_per_s=row.achievable_GB_s * 1e9,
+            latency_s=row.latency_s,
+            layerwise=layerwise,
+            source=f"{row.achievable_source}; latency: {row.latency_source}",
+        )
+    measured = profile.transfer_gb_s(args.link_transport)
+    if measured is None:
+        raise SystemExit(
+            f"the profile measured no {args.link_transport} transfer: give --link or --link-gbps"
+        )
+    return LinkConfig(
+        name=args.link_transport,
+        bandwidth_bytes_per_s=measured * 1e9,
+        latency_s=args.link_latency_us / 1e6,
+        layerwise=layerwise,
+        source=f"measured here: {args.link_transport} (pdserve profile)",
     )
 
 
@@ -277,6 +301,7 @@ def add_parsers(sub: argparse._SubParsersAction) -> None:
     p.add_argument("--policy", default="kv", choices=("kv", "round_robin", "least_loaded", "random"))
     p.add_argument("--no-prefix-caching", action="store_true")
     p.add_argument("--link-transport", default="ucxx", help="which measured transport's GB/s is the link")
+    p.add_argument("--link", help="a link of hardware/links.py's table by name, e.g. 'InfiniBand NDR'")
     p.add_argument("--link-gbps", type=float, help="link bandwidth, GB/s (default: the profile's measured)")
     p.add_argument("--link-latency-us", type=float, default=20.0)
     p.add_argument(

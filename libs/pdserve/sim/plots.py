@@ -33,8 +33,8 @@ def plot_result(
             ax.plot(v, np.arange(1, len(v) + 1) / max(len(v), 1), label=label)
             ax.set_xlabel(f"{name} (ms)")
             ax.set_ylabel("fraction of requests")
-            ax.set_xscale("log")
             ax.grid(alpha=0.3)
+    axes[0].set_xscale("log")
     labels = list(results)
     bottom = np.zeros(len(labels))
     for phase in next(iter(results.values())).ttft_breakdown_s():
