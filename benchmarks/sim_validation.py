@@ -242,6 +242,7 @@ def measure(args: argparse.Namespace, work: Path) -> dict:
     }
     for mode in ("colocated", "disaggregated"):
         print(f"== {mode}: pdserve profile (core 0)", flush=True)
+        results.setdefault("loadavg", {})[f"{mode} profile"] = os.getloadavg()[0]
         prof = profile_here(work / f"profile-{mode}.json")
         results["profiles"][mode] = json.loads(prof.model_dump_json())
         cc = CompareConfig(
@@ -259,6 +260,7 @@ def measure(args: argparse.Namespace, work: Path) -> dict:
         results["measured"] += measured["points"]
         results.setdefault("probes", {}).update(measured.get("probes", {}))
         print(f"== {mode}: pdserve profile again (core 0)", flush=True)
+        results["loadavg"][f"{mode} profile after"] = os.getloadavg()[0]
         after = profile_here(work / f"profile-{mode}-after.json")
         results.setdefault("profiles_after", {})[mode] = json.loads(after.model_dump_json())
         results["elapsed_s"] = time.monotonic() - T0
@@ -361,7 +363,17 @@ def compare_variant(results: dict, variant: str) -> dict:
         if rows
         else {}
     )
+    by_mode = {
+        mode: {
+            k: statistics.median(
+                abs(r["error"][k]) for r in rows if r["mode"] == mode and r["error"][k] == r["error"][k]
+            )
+            for k in ("ttft_p50", "tpot_p50")
+        }
+        for mode in {r["mode"] for r in rows}
+    }
     return {
+        "median_abs_error_by_mode": by_mode,
         "rows": rows,
         "cells": cells,
         "calibration": calibration,
@@ -371,9 +383,34 @@ def compare_variant(results: dict, variant: str) -> dict:
     }
 
 
+def calibration_text(r: dict) -> str:
+    parts = []
+    for mode, c in r.get("calibration", {}).items():
+        bracket = (
+            "profiles before and after the sweep averaged"
+            if mode in r.get("profiles_after", {})
+            else "the profile before the sweep (this run took none after)"
+        )
+        parts.append(
+            f"{mode}: {bracket}, {c.get('request_s', 0) * 1e3:.0f} ms of control plane before the "
+            "first token from the probes"
+            if c
+            else f"{mode}: no probes, documented constants"
+        )
+    return "; ".join(parts) or "no calibration data"
+
+
+def loads_text(r: dict) -> str:
+    loads = r.get("loadavg", {})
+    return (
+        ", ".join(f"{k} {v:.1f}" for k, v in loads.items()) or f"{r['loadavg_at_start'][0]:.1f} (run start)"
+    )
+
+
 def markdown(r: dict) -> str:
     cfg = r["config"]
     e = r["median_abs_error"]
+    eo = r["engine_only"]
     lines = [
         "# Simulator vs measured: colocated and disaggregated SmolLM2 on this machine",
         "",
@@ -392,6 +429,20 @@ def markdown(r: dict) -> str:
         f"{'met' if max(e.get('ttft_p50', 9), e.get('tpot_p50', 9)) <= 0.15 else 'NOT met'}); "
         f"same winner in {r['same_winner']} of {r['num_cells']} cells (target ≥ 8 of 9: "
         f"{'met' if r['same_winner'] >= 8 else 'NOT met'}).**",
+        "",
+        f"That is the calibrated variant: {calibration_text(r)}. The engine-only variant (the profile before "
+        "the sweep, the control plane's quiet-machine constants of docs/benchmarks/control_plane.md) has "
+        f"TTFT p50 {eo['median_abs_error']['ttft_p50']:.1%}, "
+        f"TPOT p50 {eo['median_abs_error']['tpot_p50']:.1%}, "
+        f"goodput {eo['median_abs_error']['request_goodput']:.1%}, same winner {eo['same_winner']} of "
+        f"{eo['num_cells']}. Load average at the start of each phase: {loads_text(r)}.",
+        "",
+        "Per mode (calibrated): "
+        + "; ".join(
+            f"{m}: TTFT p50 {v['ttft_p50']:.1%}, TPOT p50 {v['tpot_p50']:.1%}"
+            for m, v in sorted(r["median_abs_error_by_mode"].items())
+        )
+        + ".",
         "",
         "| ratio | rate | mode | TTFT p50 meas / sim (ms) | err | TPOT p50 meas / sim (ms) | err | "
         "goodput meas / sim (req/s) | err | SLO met meas / sim |",
