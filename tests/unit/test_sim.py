@@ -251,3 +251,20 @@ def test_cheapest_split_is_the_fewest_replicas_that_hold_the_rate():
     best, tried = cheapest_split(lambda p, d: colocated(replicas=p), reqs, {"ttft": 300.0}, 0.9, 6, False)
     assert best is not None
     assert all(s.attainment < 0.9 for s in tried[:-1]) and tried[-1] == best
+
+
+def test_weighted_itl_distribution_is_the_expanded_one():
+    import numpy as np
+
+    from pdserve.bench.metrics import distribution
+    from pdserve.sim.results import weighted_distribution
+
+    rng = np.random.default_rng(0)
+    values, weights = rng.random(50) / 10, rng.integers(0, 7, 50)
+    want = distribution(list(np.repeat(values, weights)), (50.0, 90.0, 99.0))
+    got = weighted_distribution(values, weights, (50.0, 90.0, 99.0))
+    assert got.count == want.count
+    for a, b in ((got.mean_ms, want.mean_ms), (got.median_ms, want.median_ms), (got.std_ms, want.std_ms)):
+        assert a == pytest.approx(b, rel=1e-12)
+    for q in (50.0, 90.0, 99.0):
+        assert got.p(q) == pytest.approx(want.p(q), rel=1e-12)

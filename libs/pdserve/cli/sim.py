@@ -215,14 +215,15 @@ def sim(args: argparse.Namespace) -> int:
         else:
             rate = args.request_rate
         reqs = requests_at(rate)
-        t0 = time.perf_counter()
+        t0, c0 = time.perf_counter(), time.process_time()
         result = simulate(cfg, reqs)
-        wall = time.perf_counter() - t0
+        wall, cpu = time.perf_counter() - t0, time.process_time() - c0
         results[mode] = result
         summary = result.summary(slo)
         summary.update(
             request_rate=rate,
             wall_s=wall,
+            cpu_s=cpu,
             simulated_requests_per_wall_s=len(reqs) / wall,
             cluster=json.loads(cfg.model_dump_json()),
         )
@@ -272,7 +273,9 @@ def report_line(mode: str, rate: float, s: dict) -> str:
         f"ITL p50/p99 {lat['itl']['p50']:.1f}/{lat['itl']['p99']:.1f} ms, output "
         f"{s['output_throughput']:.0f} tok/s; "
         f"TTFT mean = {bd} ms; prefix hit rate {s['prefix_hit_rate']:.1%}; "
-        f"{s['simulated_requests_per_wall_s']:.0f} simulated requests per wall second ({s['wall_s']:.1f} s)"
+        f"{s['simulated_requests_per_wall_s']:.0f} simulated requests per wall second "
+        f"({s['wall_s']:.1f} s wall, "
+        f"{s['cpu_s']:.1f} s CPU)"
     )
 
 

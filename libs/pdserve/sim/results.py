@@ -10,7 +10,7 @@ from typing import Any
 
 import numpy as np
 
-from pdserve.bench.metrics import BenchmarkMetrics, distribution
+from pdserve.bench.metrics import BenchmarkMetrics, Distribution, distribution
 from pdserve.sim.config import ClusterConfig
 from pdserve.sim.workload import SimRequest
 
@@ -125,7 +125,11 @@ class SimResult:
             latency={
                 "ttft": distribution(self.ttft_s[done], percentiles),
                 "tpot": distribution(tpot, percentiles),
-                "itl": distribution(self.itl_s(), percentiles),
+                "itl": weighted_distribution(
+                    np.concatenate([self.itl_values_s, self.itl_first_s]),
+                    np.concatenate([self.itl_weights, np.ones(len(self.itl_first_s), dtype=np.int64)]),
+                    percentiles,
+                ),
                 "e2el": distribution(self.e2el_s[done], percentiles),
             },
             goodput_slo_ms=slo,
@@ -175,6 +179,40 @@ class SimResult:
             "prefix_hit_rate": float(self.cached_tokens.sum()) / max(int(self.prompt_len.sum()), 1),
             "utilization": {k: v / m.duration_s for k, v in self.busy_s.items()},
         }
+
+
+def weighted_distribution(
+    values_s: np.ndarray, weights: np.ndarray, percentiles: Sequence[float]
+) -> Distribution:
+    """`distribution(np.repeat(values_s, weights), percentiles)` without the repeat: the same mean, std and
+    linear-interpolation percentiles (numpy's default: position (N − 1)·q/100 in the sorted expansion),
+    from the values sorted with their cumulative weights. 20M ITLs of a 100k-request run stay 100k steps."""
+    keep = weights > 0
+    v, w = values_s[keep] * 1000.0, weights[keep].astype(np.int64)
+    n = int(w.sum())
+    if n == 0:
+        return distribution([], percentiles)
+    order = np.argsort(v, kind="stable")
+    v, w = v[order], w[order]
+    ends = np.cumsum(w)  # expanded indices [ends[j] - w[j], ends[j]) hold v[j]
+
+    def at(k: np.ndarray) -> np.ndarray:
+        return v[np.searchsorted(ends, k, side="right")]
+
+    def pct(q: float) -> float:
+        h = (n - 1) * q / 100.0
+        lo = int(np.floor(h))
+        a, b = at(np.array([lo, min(lo + 1, n - 1)]))
+        return float(a + (h - lo) * (b - a))
+
+    mean = float((v * w).sum() / n)
+    return Distribution(
+        mean_ms=mean,
+        median_ms=pct(50.0),
+        std_ms=float(np.sqrt((w * (v - mean) ** 2).sum() / n)),
+        percentiles_ms={float(p): pct(p) for p in percentiles},
+        count=n,
+    )
 
 
 def _peak(starts: np.ndarray, ends: np.ndarray) -> int:
