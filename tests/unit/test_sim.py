@@ -268,3 +268,15 @@ def test_weighted_itl_distribution_is_the_expanded_one():
         assert a == pytest.approx(b, rel=1e-12)
     for q in (50.0, 90.0, 99.0):
         assert got.p(q) == pytest.approx(want.p(q), rel=1e-12)
+
+
+def test_reserve_waits_for_the_decode_workers_step_in_flight():
+    # request 0 decodes on the decode replica from its join; request 1 arrives mid-step: its reservation
+    # (the decode worker's compute lock) is made when that step ends, and only then can it prefill
+    cfg = disaggregated(layerwise=False)
+    r = simulate(cfg, [SimRequest(0.0, 100, 50), SimRequest(0.25, 10, 2)])
+    join = 0.110 + 0.101  # prefill, then the naive transfer
+    steps_before = int((0.25 - join) // 0.022) + 1  # decode steps of 0.022 s; the one in flight at 0.25 ends:
+    lock_free = join + steps_before * 0.022
+    assert r.admit_s[1] == pytest.approx(lock_free, **EXACT)
+    assert r.first_token_s[1] == pytest.approx(lock_free + 0.010 + 10 * 0.001, **EXACT)

@@ -1,28 +1,29 @@
-"""The discrete-event simulation: one clock (virtual seconds), one heap of timed events (`heapq`), the
-engines of every pool stepping as pdserve's engine steps, and the request's path as pdserve takes it
+"""The discrete-event simulation: one clock (virtual seconds), one heap of timed events (`heapq`), the engines
+of every pool stepping as pdserve's engine steps, and the request's path as pdserve takes it
 (docs/architecture.md §3).
 
-Per request: it reaches the coordinator `overheads.request_s` after it is sent; admission reserves decode
-KV for prompt + output on the decode (or unified) replica with the most free blocks (`routing/router.py`:
-the fewest booked decode blocks) and, while none has room, the request waits first come first served
-(backpressure: `AdmissionDeferred`); the prefill replica is chosen by the router's own policy
-(`routing/policy.py`, `make_policy`) over candidates built from the simulated replicas — their prefix
-caches looked up exactly, their queued prefill blocks, their active requests. The prefill replica's
-engine schedules it (`engine/scheduler.py`'s rules: a token budget per step, decodes first, running
-prefill chunks, then waiting sequences while slots last — chunked prefill); its prefix cache
-(`routing/cache_model.PrefixCacheModel`, LRU over pdserve's chained block hashes) gives the hit when it
-is admitted. The step that completes its prompt samples the first token (streamed to the client, so TTFT
-ends there unless `first_token_from='decode'`). Disaggregated: the KV (prompt tokens × KV bytes per
-token, plus a hybrid's state) crosses the prefill replica's link, one transfer at a time; layer-wise, each
-layer leaves as it is computed, so the transfer ends at max(prefill end + one layer's share, start + whole
-transfer); naive, it starts at the prefill's end. `decode_start_s` later the sequence joins the decode
-batch (when a slot is free: `max_num_seqs`). Every decode step emits one token per decoding sequence.
+Per request: it reaches the coordinator `overheads.request_s` after it is sent; admission reserves decode KV
+for prompt + output on the decode (or unified) replica with the most free blocks (`routing/router.py`: the
+fewest booked decode blocks) and, while none has room, the request waits first come first served
+(backpressure: `AdmissionDeferred`), and the reservation itself waits for the decode replica's step in
+flight (`reserve` takes the worker's compute lock, `workers/engine_loop.py`); the prefill replica is chosen
+by the router's own policy (`routing/policy.py`, `make_policy`) over candidates built from the simulated
+replicas — their prefix caches looked up exactly, their queued prefill blocks, their active requests. The
+prefill replica's engine schedules it (`engine/scheduler.py`'s rules: a token budget per step, decodes
+first, running prefill chunks, then waiting sequences while slots last — chunked prefill); its prefix cache
+(`routing/cache_model.PrefixCacheModel`, LRU over pdserve's chained block hashes) gives the hit when it is
+admitted. The step that completes its prompt samples the first token (streamed to the client, so TTFT ends
+there unless `first_token_from='decode'`). Disaggregated: the KV (prompt tokens × KV bytes per token, plus a
+hybrid's state) crosses the prefill replica's link, one transfer at a time; layer-wise, each layer leaves as
+it is computed, so the transfer ends at max(prefill end + one layer's share, start + whole transfer); naive,
+it starts at the prefill's end. `decode_start_s` later the sequence joins the decode batch (when a slot is
+free: `max_num_seqs`). Every decode step emits one token per decoding sequence.
 
 Speed: a decode step does not visit its sequences. Each decoding sequence's finish is a step number in a
-heap (it joined before step s and needs m more tokens: it finishes at step s + m), the batch's context
-sum is kept incrementally, and the ITL of every token of a step is that step's duration, recorded once
-with its weight (the batch size); only a sequence's first decode token, whose gap starts at its first
-token, is recorded on its own.
+heap (it joined before step s and needs m more tokens: it finishes at step s + m), the batch's context sum
+is kept incrementally, and the ITL of every token of a step is that step's duration, recorded once with its
+weight (the batch size); only a sequence's first decode token, whose gap starts at its first token, is
+recorded on its own.
 """
 
 from __future__ import annotations
@@ -43,7 +44,7 @@ from pdserve.sim.cost import attention_pairs
 from pdserve.sim.results import SimResult
 from pdserve.sim.workload import SimRequest
 
-_ARRIVE, _STEP, _JOIN = 0, 1, 2
+_ARRIVE, _STEP, _JOIN, _DISPATCH = 0, 1, 2, 3
 # Over this many replicas the policy sees a shortlist: the SHORTLIST with the fewest queued prefill blocks
 # and every replica holding the prompt's first block (a router does the same to bound its decision time).
 SHORTLIST = 8
@@ -78,10 +79,12 @@ class Replica:
         "steps",
         "step_ends",
         "index",
+        "busy_until",
     )
 
     def __init__(self, index: int, name: str, pool: PoolConfig, prefix_caching: bool) -> None:
         self.index = index
+        self.busy_until = 0.0  # end of the step in flight (the worker's compute lock is held until then)
         self.name, self.role, self.pool, self.cost = name, pool.role, pool, pool.hardware.cost
         caches = prefix_caching and pool.role is not PoolRole.DECODE
         self.cache = PrefixCacheModel(name, pool.capacity_blocks) if caches else None
@@ -221,15 +224,24 @@ def simulate(
                 rep = place(i, prefill_reps)
             admission.popleft()
             drep.free_blocks -= need[i]
-            t_admit[i] = now
             where_p[i], where_d[i] = rep, drep
             rep.queued_blocks += -(-plen[i] // bs)
             rep.active += 1
             if drep is not rep:
                 drep.active += 1
-            rep.waiting.append(i)
-            if not rep.busy:
-                start_step(rep, now)
+                if drep.busy:  # reserve holds the decode worker's compute lock: after its step in flight
+                    push(drep.busy_until, _DISPATCH, i)
+                    continue
+            dispatch(i, now)
+
+    def dispatch(i: int, now: float) -> None:
+        """The reservation is made: the prompt joins its prefill (or unified) replica's queue."""
+        t_admit[i] = now
+        rep = where_p[i]
+        assert rep is not None
+        rep.waiting.append(i)
+        if not rep.busy:
+            start_step(rep, now)
 
     def start_step(rep: Replica, now: float) -> None:
         pool = rep.pool
@@ -274,6 +286,7 @@ def simulate(
             return
         dur = rep.cost.step_s(ptoks, pairs, rep.n_dec, rep.ctx)
         rep.busy = True
+        rep.busy_until = now + dur
         rep.busy_s += dur
         rep.steps += 1
         rep.plan = (chunks, joined, rep.n_dec, dur)
@@ -357,6 +370,8 @@ def simulate(
         elif kind == _ARRIVE:
             admission.append(item)  # type: ignore[arg-type]
             pump(now)
+        elif kind == _DISPATCH:
+            dispatch(item, now)  # type: ignore[arg-type]
         else:  # _JOIN
             i = item  # type: ignore[assignment]
             if i < 0:
