@@ -464,6 +464,8 @@ def markdown(r: dict) -> str:
         f"{'yes' if c['same'] else '**no**'} |"
         for c in r["cells"]
     ]
+    if r.get("notes"):
+        lines += ["", "Notes:", ""] + [f"- {n}" for n in r["notes"]]
     lines += ["", "Profiles (fitted in the same run, one engine thread pinned to core 0):", ""]
     for mode, p in r["profiles"].items():
         c = p["cost"]
@@ -534,7 +536,14 @@ def main() -> None:
     ap.add_argument("--port", type=int, help="gateway port of the stacks (default: a free one)")
     ap.add_argument("--work", type=Path, default=Path("var/sim-validation"))
     ap.add_argument("--out", type=Path, default=Path("docs/benchmarks"))
-    ap.add_argument("--render", type=Path, help="re-simulate a saved run's JSON (no measuring)")
+    ap.add_argument(
+        "--render",
+        type=Path,
+        help="re-simulate a saved run's JSON (no measuring), e.g. docs/benchmarks/sim-validation.json",
+    )
+    ap.add_argument(
+        "--note", action="append", default=[], help="a line for the page's notes (kept in the JSON)"
+    )
     args = ap.parse_args()
     args.work.mkdir(parents=True, exist_ok=True)
     if args.port is None:
@@ -542,6 +551,7 @@ def main() -> None:
 
         args.port = free_port()
     raw = json.loads(args.render.read_text()) if args.render else measure(args, args.work)
+    raw["notes"] = list(dict.fromkeys([*raw.get("notes", []), *args.note]))
     result = compare(raw)
     args.out.mkdir(parents=True, exist_ok=True)
     (args.out / f"{STEM}.json").write_text(json.dumps(result, indent=2))
