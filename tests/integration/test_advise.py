@@ -105,7 +105,7 @@ def _request(
                     num_computed_tokens=prompt - prefill["cached"],
                     kv_bytes=prompt * 512,
                     prefill_s=prefill_s,
-                    **({"num_cached_tokens_by_tier": prefill["tiers"]} if "tiers" in prefill else {}),
+                    **({"cached_tokens_by_tier": prefill["tiers"]} if "tiers" in prefill else {}),
                 ),
                 t + 0.1,
                 "prefill",
@@ -193,7 +193,7 @@ def scripted_log() -> list[Event]:
         cached = 448 if i >= 4 else 0
         pre = {"cached": cached, "best": 448 if i else 0, "policy": "round_robin"}
         if i == 7:
-            pre["tiers"] = {"gpu": 320, "host": 128}
+            pre["tiers"] = {"pool": 320, "offload": 128}
         log += _request(
             AGENTIC + i,
             512,
@@ -279,7 +279,7 @@ async def test_shared_prefix_round_robin_over_four_replicas_is_stage_4(logged):
     assert (m["hit_rate"], m["router_ceiling_hit_rate"]) == (1792 / 4096, 3136 / 4096)
     assert m["routing_gap_share"] == 1344 / 4096
     assert (m["reuse_ceiling_hit_rate"], m["eviction_gap_share"]) == (3136 / 4096, 0.0)
-    assert m["tier_hit_rate[host]"] == 128 / 4096
+    assert m["tier_hit_rate[offload]"] == 128 / 4096
     assert m["transfer_GB_s_max"] == pytest.approx(512 * 512 / 0.002 / 1e9)
     assert "nearest in the link table: Ethernet 25G (TCP)" in a.measurements["interconnect_class"].note
     assert m["transfer_s_p95_on_link"] == pytest.approx(512 * 512 / 4.15e9 + 1e-6)
@@ -321,3 +321,25 @@ def test_cli_prints_the_advice_as_json(logged, capsys, tmp_path):
     out = json.loads(capsys.readouterr().out)
     assert out["stage"] == 3 and out["measurements"]["prompt_to_output_ratio"]["source"].startswith("Σ")
     assert (tmp_path / "a.png").stat().st_size > 10_000
+
+
+def test_replicas_without_a_shared_prefix_do_not_warrant_stage_4():
+    log = []
+    for i in range(4):  # round robin over 2 replicas, every prompt its own: the perfect router hits nothing
+        hashes = hash_blocks([9000 + 100 * i + j for j in range(64)], 16)
+        log += _request(
+            T0 + i,
+            64,
+            4,
+            "disaggregated",
+            f"prefill-{i % 2}",
+            "decode-0",
+            0.05,
+            prefill={"cached": 0, "best": 0, "policy": "round_robin"},
+            transfer=(64 * 512, 0.001),
+            hashes=hashes,
+        )
+    a = advise(measure(log), model_spec("tiny", None, None), SHM, 2, 12e9, "test: 12 GB")
+    assert a.measurements["router_ceiling_hit_rate"].value == 0.0
+    assert (a.stage, a.stages[3].status) == (3, "not yet")
+    assert a.stages[3].because.startswith("no prefix the replicas could share")

@@ -4,10 +4,13 @@ and kimi-tiny's bytes come from the configs the engine serves; the duplication s
 
 from __future__ import annotations
 
+import json
+
 import pytest
 
 from pdserve.advise.economics import CHECKLIST_PREFILL_TOK_S, duplication, economics
 from pdserve.advise.models import LLAMA_3_70B, kimi_linear_spec, llama_3_70b, llama_num_params
+from pdserve.cli import main as cli
 from pdserve.engine.kimi_linear_config import KDA, MLA, KimiLinearConfig
 from pdserve.engine.kimi_tiny import kimi_tiny_config
 from pdserve.engine.tokenizer import load_tokenizer
@@ -92,3 +95,10 @@ def test_a_config_with_no_kda_layer_moves_no_state():
     )
     assert KDA not in cfg.layer_types
     assert kimi_linear_spec("x", cfg, 1, "fp8", "fp8", "t").state_bytes_per_request == 0
+
+
+def test_the_economics_command_prints_every_link_as_json(capsys):
+    assert cli.main(["advise", "economics", "--json"]) == 0
+    out = json.loads(capsys.readouterr().out)
+    assert out["model"]["name"] == "Llama-3-70B" and out["prompts"][0]["kv_bytes"] == 655_360_000
+    assert len(out["prompts"][0]["rows"]) == 13 and out["duplication"]["fleet_for_threshold"] == 18

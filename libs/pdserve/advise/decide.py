@@ -391,8 +391,15 @@ def advise(
             + "; ".join(c.question for c in checks if c.stage == 3 and c.answer == "unknown" and c.reads),
         )
     stages.append(StageVerdict(stage=3, name=STAGE_NAMES[3], status=s3, because=why3))
-    if multi == "yes" and routing_gap == "no" and ev.routing.policies.get("kv"):
-        s4: Status = "in place"
+    ceiling = m.get("router_ceiling_hit_rate")
+    if multi == "yes" and ceiling is not None and ceiling.value < t.routing_gap_share:
+        s4: Status = "not yet"
+        why4 = (
+            f"no prefix the replicas could share: the perfect router would hit {ceiling.value:.1%} of prompt "
+            "tokens"
+        )
+    elif multi == "yes" and routing_gap == "no" and ev.routing.policies.get("kv"):
+        s4 = "in place"
         why4 = f"cache-aware routing (kv) reaches {ev.routing.of_ceiling:.1%} of the ceiling"
     elif multi == "yes" and routing_gap == "yes":
         s4, why4 = "warranted", "replicas lose prefix hits to placement (see the stage-4 checks)"
@@ -414,7 +421,9 @@ def advise(
             + "; ".join(f"{v.name} ({v.because})" for v in warranted)
         )
     else:
-        verdict = f"not yet: stay at stage {stage} ({stages[stage - 1].name})"
+        where = stages[stage - 1]
+        placed = ", in place" if where.status == "in place" else ""
+        verdict = f"not yet: stay at stage {stage} ({where.name}{placed})"
     return Advice(
         stage=stage,
         verdict=verdict,

@@ -183,7 +183,18 @@ def economics(
 def measure_prefill_s(name: str, num_tokens: int, cache_dir, repeats: int = 2) -> float:
     """Seconds this machine's engine takes to prefill `num_tokens` tokens of model `name` (fp32 CPU, one
     unchunked prefill: `max_num_batched_tokens` = the prompt, one output token; best of `repeats` after a
-    warm-up; prefix caching cannot help: each repeat's tokens differ)."""
+    warm-up; prefix caching cannot help: each repeat's tokens differ), on one torch thread."""
+    import torch
+
+    threads = torch.get_num_threads()
+    torch.set_num_threads(1)  # as a worker runs (one thread per process)
+    try:
+        return _timed_prefill(name, num_tokens, cache_dir, repeats)
+    finally:
+        torch.set_num_threads(threads)
+
+
+def _timed_prefill(name: str, num_tokens: int, cache_dir, repeats: int) -> float:
     import time
 
     from pdserve.engine.llm_engine import EngineConfig, LLMEngine

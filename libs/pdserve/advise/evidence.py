@@ -5,9 +5,9 @@ result) and over how many samples; one that could not be measured has `value` No
 The folding is a pure function of the events (`measure`), so a scripted log gives exact numbers; `load`
 reads them from the event store the way `pdserve report routing` does.
 
-KV tiers: a `PrefillCompleted` whose payload carries `num_cached_tokens_by_tier` ({tier: tokens}) counts
-each tier's hits (the host offload tier and the shared store add it; `gpu`/`device`/`hbm`/`local` name the
-paged pool itself); without it the log shows no tier.
+KV tiers: a `PrefillCompleted` whose payload carries `cached_tokens_by_tier` ({tier: tokens}, summing to
+num_cached_tokens: "pool" is the prefill worker's paged pool, "offload", "store", ... the tiers below it)
+counts each tier's hits; without it, or with only the pool, the log shows no tier.
 """
 
 from __future__ import annotations
@@ -26,8 +26,8 @@ from pdserve.routing.report import RoutingReport, fold_routed, summarize
 from pdserve.store.rows import row_event
 from pdserve.store.tables import events
 
-TIER_FIELD = "num_cached_tokens_by_tier"
-BASE_TIERS = frozenset({"gpu", "device", "hbm", "local"})  # the paged pool itself, not an added tier
+TIER_FIELD = "cached_tokens_by_tier"
+BASE_TIERS = frozenset({"pool", "gpu", "device"})  # the prefill worker's paged pool itself, not an added tier
 
 
 class Measurement(BaseModel):
