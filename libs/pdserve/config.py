@@ -54,7 +54,9 @@ class PolicyName(StrEnum):
 class CommonSettings(BaseSettings):
     model_config = SettingsConfigDict(env_prefix="PDS_", extra="ignore")
 
-    nats_url: str = Field("nats://127.0.0.1:4222", description="NATS server with JetStream.")
+    nats_url: str = Field(
+        "nats://127.0.0.1:4222", description="NATS server with JetStream; a cluster as its servers' URLs, "
+        "comma-separated (a client connects to any and fails over to the others).")
     nats_user: str | None = Field(
         None, description="NATS user this process connects as (per-service users: pdserve.nats_auth).")
     nats_password: str | None = Field(None, description="Its password (else read from nats_users_file).")
@@ -66,11 +68,20 @@ class CommonSettings(BaseSettings):
     )
     var_dir: Path = Field(Path("var"), description="Logs (var/log), traces (var/traces), state (var/run).")
     events_stream: str = Field("PDS_EVENTS", description="JetStream stream holding every lifecycle event.")
+    events_replicas: int = Field(
+        1, ge=1, le=5, description="Copies JetStream keeps of the events stream (its num_replicas) when it "
+        "creates it: 3 on a 3-server cluster survives the loss of one server (a RAFT quorum of 2); 1 on a "
+        "single server.")
     subject_prefix: str = Field(
         "pds", description="First token of every NATS subject; tests use their own to share one server."
     )
     log_level: str = Field("INFO", description="Python logging level.")
     metrics_port: int = Field(0, description="Prometheus /metrics port of this process; 0 = any free one.")
+
+    @property
+    def nats_servers(self) -> list[str]:
+        """`nats_url` as the list of server URLs `nats.connect(servers=...)` takes."""
+        return [url.strip() for url in self.nats_url.split(",") if url.strip()]
 
     @property
     def trace_dir(self) -> Path:
@@ -126,8 +137,10 @@ class GatewaySettings(CommonSettings, ModelSettings):
     request_timeout_s: float = Field(300.0, description="Upper bound on one request, end to end.")
     max_model_len: int = Field(2048, description="Prompt + output tokens per request; longer: 400.")
     token_gap_timeout_s: float = Field(
-        5.0, description="How long a hole in a request's token stream may stay open before it fails."
-    )
+        10.0, description="How long a hole in a request's token stream may stay open before it fails. While "
+        "it is open the request's journal (TokensCommitted in JetStream) is read every second to fill it: "
+        "a chunk lost with a NATS server of a cluster is filled once the next commit is stored, which a "
+        "publisher whose server died retries after its 5 s JetStream timeout, hence 10 s (5 s before).")
     cached_tokens_wait_s: float = Field(
         1.0, description="Longest wait, at a request's end, for its PrefillCompleted (usage.cached_tokens).")
     read_your_writes_wait_s: float = Field(
@@ -189,6 +202,22 @@ class RouterSettings(CommonSettings):
         600.0, description="The router's own record of a placed request is dropped after this long even "
         "if its end was never seen (a lost event must not leak load).")
     seed: int | None = Field(None, description="Seed of the random and temperature sampling (None = OS).")
+    prefill_s_per_token: float = Field(
+        4.8e-3, gt=0, description="Prefill cost per prompt token, seconds, against which a block held in a "
+        "tier below a worker's pool is weighed: such a block counts 1 − copy_s_per_token / "
+        "prefill_s_per_token of a pool block in the kv cost (routing/policy.py `tier_weights`). Default: "
+        "SmolLM2-135M fp32 on one core of this machine, median prefill_s / computed tokens in "
+        "docs/benchmarks/kv_tiers.md (benchmarks/kv_tiers.py measures both figures again).")
+    offload_copy_s_per_token: float = Field(
+        2.1e-4, ge=0, description="Cost per token of copying a block back from a worker's offload tier "
+        "(host memory: copy, checksum, scatter into the pool's layers), seconds; default measured in "
+        "docs/benchmarks/kv_tiers.md (SmolLM2 fp32, 720 KiB a block: 3.4 ms under shared load).")
+    disk_copy_s_per_token: float = Field(
+        3e-4, ge=0, description="The same for a disk tier (a file read and checksum), seconds per token.")
+    store_copy_s_per_token: float = Field(
+        4e-4, ge=0, description="The same for the shared store (a network read, ~1-2 GB/s over Mooncake's "
+        "TCP protocol here, plus a round trip per block), seconds per token; configured above the offload "
+        "tier's so a block only in the store counts less than one in a worker's own offload tier.")
 
 
 class CoordinatorSettings(CommonSettings):
@@ -225,6 +254,11 @@ class WorkerSettings(CommonSettings, ModelSettings):
     role: Role = Field(Role.DECODE, description="'prefill', 'decode' or 'unified'.")
     kv_transport: KVTransportKind = Field(
         KVTransportKind.UCXX, description="'ucxx' (shared memory on one host) or 'tcp' (asyncio).")
+    kv_host: str = Field(
+        "127.0.0.1", description="The address this worker's KV transport binds and publishes to peers: its "
+        "host's interface address when prefill and decode run on different hosts. Off loopback, UCX runs "
+        "over TCP on the interface holding it (UCX_NET_DEVICES; UCX_TLS overrides, e.g. 'rc,tcp,self' "
+        "where an RDMA device exists), and the tcp transport listens there.")
     kv_transfer_mode: KVTransferMode = Field(
         KVTransferMode.LAYERWISE, description="Prefill role: 'layerwise' sends each layer's KV as soon as it "
         "is computed; 'naive' sends all of it after the whole prefill (the baseline of "
@@ -245,6 +279,18 @@ class WorkerSettings(CommonSettings, ModelSettings):
     max_num_batched_tokens: int = Field(
         512, description="Tokens per engine step (decode tokens + prefill chunks): chunked-prefill budget.")
     max_num_seqs: int = Field(64, description="Sequences in one worker's running batch at most.")
+    kv_offload_blocks: int = Field(
+        0, ge=0, description="Capacity in blocks of the worker's offload tier: host memory below the paged "
+        "pool that keeps full cached blocks the pool evicts, LRU, checksummed "
+        "(engine/kv_tiers/host_tier.py); 0 = no offload tier. Memory: blocks x block_size x KV bytes per "
+        "token (SmolLM2 fp32: 720 KiB a block).")
+    kv_disk_blocks: int = Field(
+        0, ge=0, description="Capacity in blocks of the worker's disk tier, below the offload tier: one file "
+        "per block under kv_disk_dir/<worker_id>, LRU, checksummed (engine/kv_tiers/disk_tier.py); 0 = no "
+        "disk tier.")
+    kv_disk_dir: Path | None = Field(
+        None, description="Where the disk tiers keep their files (a folder per worker, emptied at its "
+        "start); None = <var_dir>/kv-disk.")
 
 
 class RecorderSettings(CommonSettings):

@@ -29,6 +29,8 @@ class CandidateCost(Message):
     uncached_blocks: int = 0
     active_prefill_blocks: int = 0
     active_decode_blocks: int = 0
+    cached_blocks_by_tier: dict[str, int] = Field(
+        default_factory=dict, description="cached_blocks by the tier holding them ('pool', 'offload', ...).")
 
 
 class RouteOutcome(BaseModel):

@@ -22,6 +22,11 @@ router never counts on blocks a worker no longer has:
 
 Lookups (`overlaps`) count, per worker, the blocks of a request's leading run that the worker holds —
 the "overlap score" of Dynamo's KV router (docs.nvidia.com/dynamo, Router → Routing Concepts).
+
+Tiers below the pool (issue 16, `engine/kv_tiers`): events labelled with another `tier` than "pool" (a
+worker's "offload" tier) are kept per worker and tier beside the pool's hashes, outside the digest (which
+covers the pool only), and wiped with the worker on a gap or a restart. `overlaps_by_tier` walks the
+leading run through every tier, each block counted once at the best tier holding it (`TIER_RANK`).
 """
 
 from __future__ import annotations
@@ -31,6 +36,11 @@ from collections.abc import Callable, Iterable, Sequence
 from dataclasses import dataclass, field
 
 from pdserve.messages import AllBlocksCleared, BlockRemoved, BlockStored, KVDigest, KVEvents
+
+POOL = "pool"
+# A block is counted at the first of these that holds it: cheapest to use first (the pool: nothing to copy;
+# a worker's own offload tier: a host copy; its disk tier; the shared store: a network read).
+TIER_RANK = (POOL, "offload", "disk", "store")
 
 
 @dataclass
@@ -45,6 +55,7 @@ class WorkerBlocks:
     partial: bool = True  # until the worker's start (AllBlocksCleared) or a matching digest is seen
     last_heard: float = 0.0
     digest_ahead: int | None = None  # seq of a digest that arrived before its batches
+    tiers: dict[str, set[int]] = field(default_factory=dict)  # tier below the pool → hashes it holds
 
 
 class KVIndex:
@@ -80,6 +91,7 @@ class KVIndex:
                 del self._holders[h]
         w.hashes = set()
         w.xor_hashes = 0
+        w.tiers = {}
 
     def _store(self, w: WorkerBlocks, hashes: Iterable[int]) -> None:
         bit = 1 << w.slot
@@ -117,7 +129,13 @@ class KVIndex:
             w.partial = True
         w.last_seq = batch.seq
         for ev in batch.events:
-            if isinstance(ev, BlockStored):
+            if isinstance(ev, BlockStored | BlockRemoved) and ev.tier != POOL:
+                held = w.tiers.setdefault(ev.tier, set())
+                if isinstance(ev, BlockStored):
+                    held.update(ev.block_hashes)
+                else:
+                    held.difference_update(ev.block_hashes)
+            elif isinstance(ev, BlockStored):
                 self._store(w, ev.block_hashes)
             elif isinstance(ev, BlockRemoved):
                 self._remove(w, ev.block_hashes)
@@ -197,6 +215,28 @@ class KVIndex:
             if alive >> s & 1:
                 out[wid] = len(block_hashes)
         return out
+
+    def overlaps_by_tier(self, block_hashes: Sequence[int], worker_id: str) -> dict[str, int]:
+        """How many of `block_hashes`' leading run `worker_id` holds, split by tier: each block counted at
+        the best tier holding it (`TIER_RANK`: its pool, then the tiers below), the run ending at the first
+        block no tier holds. {} for an unknown worker or no hit; the values sum to the run's length."""
+        w = self._workers.get(worker_id)
+        out: dict[str, int] = {}
+        if w is None:
+            return out
+        ranked = [(POOL, w.hashes)] + sorted(
+            w.tiers.items(), key=lambda kv: TIER_RANK.index(kv[0]) if kv[0] in TIER_RANK else len(TIER_RANK))
+        for h in block_hashes:
+            tier = next((name for name, held in ranked if h in held), None)
+            if tier is None:
+                break
+            out[tier] = out.get(tier, 0) + 1
+        return out
+
+    def num_tier_blocks(self, worker_id: str, tier: str) -> int:
+        """Blocks indexed for one worker's tier below the pool ("offload", ...)."""
+        w = self._workers.get(worker_id)
+        return len(w.tiers.get(tier, ())) if w else 0
 
     def num_blocks(self, worker_id: str | None = None) -> int:
         """Blocks indexed for one worker, or distinct hashes over all workers."""

@@ -7,6 +7,9 @@ prompt length). Hit rate = cached prompt tokens / prompt tokens. The ceiling of 
 ceiling − actual cached tokens (clipped at 0), i.e. prompt tokens computed that a perfect router would
 have served from cache. Prediction = `predicted_cached_tokens` against `PrefillCompleted.num_cached_tokens`.
 Load = requests routed per replica and the mean `active_requests` the candidates reported, max/min.
+Tiers (issue 16): the cached tokens are split by where their KV came from (`PrefillCompleted.
+cached_tokens_by_tier`: "pool", "offload", ...; events recorded before that field count as "pool"), so the
+hit rate is reported per tier beside the ceiling (which counts a block in any tier of any candidate).
 """
 
 from __future__ import annotations
@@ -15,6 +18,7 @@ from collections.abc import Iterable, Sequence
 from dataclasses import dataclass, field
 
 from pdserve.events import Event
+from pdserve.routing.kv_index import TIER_RANK
 
 
 @dataclass
@@ -35,6 +39,24 @@ class RoutedRequest:
     block_hashes: tuple[int, ...] = ()
     candidate_active: dict[str, int] = field(default_factory=dict)
     prefill_s: float | None = None
+    cached_tokens_by_tier: dict[str, int] = field(default_factory=dict)
+
+
+def _by_tier(payload: dict) -> dict[str, int]:
+    by_tier = {k: int(v) for k, v in (payload.get("cached_tokens_by_tier") or {}).items() if v}
+    cached = int(payload["num_cached_tokens"])
+    if not by_tier and cached:
+        by_tier = {"pool": cached}  # recorded before tiers existed: the pool was the only one
+    return by_tier
+
+
+def _sum_tiers(rows: Iterable[dict[str, int]]) -> dict[str, int]:
+    out: dict[str, int] = {}
+    for row in rows:
+        for k, v in row.items():
+            out[k] = out.get(k, 0) + v
+    rank = {t: i for i, t in enumerate(TIER_RANK)}
+    return dict(sorted(out.items(), key=lambda kv: (rank.get(kv[0], len(rank)), kv[0])))  # pool first
 
 
 def fold_routed(events: Iterable[Event]) -> list[RoutedRequest]:
@@ -42,7 +64,7 @@ def fold_routed(events: Iterable[Event]) -> list[RoutedRequest]:
     The last route and the last prefill of a request count (a retried prefill replaces the first)."""
     received: dict[str, int] = {}
     routed: dict[str, RoutedRequest] = {}
-    prefilled: dict[str, tuple[int, int, float]] = {}
+    prefilled: dict[str, tuple[int, int, float, dict[str, int]]] = {}
     for e in events:
         p = e.payload
         if e.type == "RequestReceived":
@@ -67,11 +89,12 @@ def fold_routed(events: Iterable[Event]) -> list[RoutedRequest]:
                 int(p["num_cached_tokens"]),
                 int(p["num_computed_tokens"]),
                 float(p.get("prefill_s", 0.0)),
+                _by_tier(p),
             )
     for rid, r in routed.items():
         if rid in prefilled:
-            cached, computed, prefill_s = prefilled[rid]
-            r.actual_cached_tokens, r.prefill_s = cached, prefill_s
+            cached, computed, prefill_s, by_tier = prefilled[rid]
+            r.actual_cached_tokens, r.prefill_s, r.cached_tokens_by_tier = cached, prefill_s, by_tier
             r.prompt_tokens = received.get(rid, cached + computed)
         else:
             r.prompt_tokens = received.get(rid, 0)
@@ -86,10 +109,18 @@ class ReplicaStats:
     cached_tokens: int
     ceiling_tokens: int
     mean_active_requests: float
+    cached_tokens_by_tier: dict[str, int] = field(default_factory=dict)
 
     @property
     def hit_rate(self) -> float:
         return self.cached_tokens / self.prompt_tokens if self.prompt_tokens else 0.0
+
+    @property
+    def hit_rate_by_tier(self) -> dict[str, float]:
+        """Cached tokens from each tier / prompt tokens; the values sum to `hit_rate`."""
+        if not self.prompt_tokens:
+            return {}
+        return {t: n / self.prompt_tokens for t, n in self.cached_tokens_by_tier.items()}
 
     @property
     def ceiling_hit_rate(self) -> float:
@@ -111,10 +142,18 @@ class RoutingReport:
     replicas: tuple[ReplicaStats, ...]
     modes: dict[str, int]
     policies: dict[str, int]
+    cached_tokens_by_tier: dict[str, int] = field(default_factory=dict)
 
     @property
     def hit_rate(self) -> float:
         return self.cached_tokens / self.prompt_tokens if self.prompt_tokens else 0.0
+
+    @property
+    def hit_rate_by_tier(self) -> dict[str, float]:
+        """Cached tokens from each tier ("pool", "offload", ...) / prompt tokens; sums to `hit_rate`."""
+        if not self.prompt_tokens:
+            return {}
+        return {t: n / self.prompt_tokens for t, n in self.cached_tokens_by_tier.items()}
 
     @property
     def ceiling_hit_rate(self) -> float:
@@ -152,6 +191,7 @@ def summarize(requests: Sequence[RoutedRequest]) -> RoutingReport:
             cached_tokens=sum(r.actual_cached_tokens or 0 for r in rs),
             ceiling_tokens=sum(r.best_cached_tokens for r in rs),
             mean_active_requests=sum(active.get(wid, [0])) / max(len(active.get(wid, [])), 1),
+            cached_tokens_by_tier=_sum_tiers(r.cached_tokens_by_tier for r in rs),
         )
         for wid, rs in sorted(replicas.items())
     )
@@ -174,4 +214,5 @@ def summarize(requests: Sequence[RoutedRequest]) -> RoutingReport:
         replicas=stats,
         modes=modes,
         policies=policies,
+        cached_tokens_by_tier=_sum_tiers(r.cached_tokens_by_tier for r in done),
     )

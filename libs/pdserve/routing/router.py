@@ -114,7 +114,8 @@ class Placer:
         desc = state.heartbeat.descriptor
         wid = state.heartbeat.worker_id
         max_hit = max(num_tokens - 1, 0) // desc.block_size
-        cached = min(self.index.overlaps(hashes[:max_hit], (wid,))[wid], max_hit)
+        by_tier = self.index.overlaps_by_tier(hashes[:max_hit], wid)
+        cached = sum(by_tier.values())
         prompt_blocks = _ceil_div(num_tokens, desc.block_size)
         return Candidate(
             worker_id=wid,
@@ -126,6 +127,7 @@ class Placer:
             active_requests=max(state.active_requests, self.load.requests(wid)),
             kv_usage=state.kv_usage,
             recent_requests=self.load.recent_requests(wid),
+            cached_blocks_by_tier=by_tier,
         )
 
     def route(self, req: RouteRequest, block_hashes: Sequence[int] | None = None) -> RouteDecision:

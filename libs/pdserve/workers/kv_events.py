@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import time
+from collections.abc import Callable
 
 from pdserve.bus import Bus
 from pdserve.engine.block_manager import BlockManager
@@ -11,12 +12,19 @@ from pdserve.messages import AllBlocksCleared, BlockRemoved, BlockStored, KVDige
 
 class KVEventPublisher:
     """Publishes batches of `BlockManager` events on `pds.kv.<worker_id>` with a `seq` that grows by one
-    per batch, and `KVDigest`s (block count + XOR of held hashes) on `pds.kvdigest.<worker_id>`."""
+    per batch, and `KVDigest`s (block count + XOR of held hashes) on `pds.kvdigest.<worker_id>`.
+    `take_events`: where the events come from (default the block manager's; a worker with KV tiers passes
+    `LLMEngine.take_kv_events`, which adds each tier's, labelled by tier). The digest covers the pool only:
+    what the tiers hold is told by their events alone."""
 
-    def __init__(self, bus: Bus, worker_id: str, block_manager: BlockManager) -> None:
+    def __init__(
+        self, bus: Bus, worker_id: str, block_manager: BlockManager,
+        take_events: Callable[[], list[BlockStored | BlockRemoved]] | None = None,
+    ) -> None:
         self.bus = bus
         self.worker_id = worker_id
         self.block_manager = block_manager
+        self.take_events = take_events or block_manager.take_events
         self.next_seq = 0
 
     async def cleared(self) -> None:
@@ -25,7 +33,7 @@ class KVEventPublisher:
 
     async def flush(self) -> None:
         """Publish whatever the block manager recorded since the last flush (nothing if empty)."""
-        events = self.block_manager.take_events()
+        events = self.take_events()
         if events:
             await self._publish(events)
 
