@@ -483,7 +483,7 @@ def markdown(r: dict) -> str:
         )
     lines += [
         "",
-        "What the simulator does not model (docs/architecture.md §14): the CPU the gateway, router, "
+        "What the simulator does not model (docs/architecture.md §16): the CPU the gateway, router, "
         "coordinator and recorder take from the workers' cores; streaming each token over NATS and SSE; "
         "the decode worker's checksum verification; the noise of the other work on these 2 cores.",
     ]
