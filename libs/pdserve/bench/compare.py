@@ -19,6 +19,7 @@ import subprocess
 import sys
 import time
 import uuid
+from collections.abc import Callable
 from dataclasses import asdict, dataclass, field
 from datetime import UTC, datetime
 from pathlib import Path
@@ -169,8 +170,12 @@ async def warm_up(base_url: str) -> str | None:
     return None if not bad else (bad[0].error or f"{bad[0].num_output_tokens} of 8 tokens came back")
 
 
-def run_compare(cfg: CompareConfig, out_dir: Path) -> int:
-    """Run the whole sweep and write the report; returns 0 when every point completed some request."""
+def run_compare(cfg: CompareConfig, out_dir: Path,
+                probe: Callable[[str, str], Any] | None = None) -> int:
+    """Run the whole sweep and write the report; returns 0 when every point completed some request.
+    `probe(mode, gateway_url)`, when given, runs on each stack after its warm-up and before the sweep;
+    its result is kept in the JSON under `probes[mode]` (`benchmarks/sim_validation.py` calibrates the
+    simulator's control-plane overheads on it, outside the sweep's cells)."""
     tag = uuid.uuid4().hex[:6]
     env = {**os.environ, "PDS_SUBJECT_PREFIX": f"pdscmp{tag}", "PDS_EVENTS_STREAM": f"PDS_COMPARE_{tag}"}
     results: dict[str, Any] = {
@@ -191,6 +196,8 @@ def run_compare(cfg: CompareConfig, out_dir: Path) -> int:
                 console.print(f"[red]{note}[/]")
                 results.setdefault("notes", []).append(note)
                 continue
+            if probe is not None:
+                results.setdefault("probes", {})[mode] = probe(mode, base_url)
             for ratio in cfg.ratios:
                 n_in, n_out = split_tokens(cfg.tokens_per_request, ratio)
                 for rate in cfg.rates:
