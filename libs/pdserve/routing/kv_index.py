@@ -22,6 +22,11 @@ router never counts on blocks a worker no longer has:
 
 Lookups (`overlaps`) count, per worker, the blocks of a request's leading run that the worker holds —
 the "overlap score" of Dynamo's KV router (docs.nvidia.com/dynamo, Router → Routing Concepts).
+
+A hybrid model's workers also publish their recurrent-state checkpoints (`CheckpointStored` /
+`CheckpointRemoved`, under the chained hash of the block ending at the checkpoint): the index keeps each
+worker's set of them, wiped with its blocks, and `checkpoint_blocks` finds the longest one within a KV
+hit — where that worker's prefill would resume (`engine/state_pool.py: StatePool.find_checkpoint`).
 """
 
 from __future__ import annotations
@@ -30,7 +35,15 @@ import time
 from collections.abc import Callable, Iterable, Sequence
 from dataclasses import dataclass, field
 
-from pdserve.messages import AllBlocksCleared, BlockRemoved, BlockStored, KVDigest, KVEvents
+from pdserve.messages import (
+    AllBlocksCleared,
+    BlockRemoved,
+    BlockStored,
+    CheckpointRemoved,
+    CheckpointStored,
+    KVDigest,
+    KVEvents,
+)
 
 
 @dataclass
@@ -45,6 +58,7 @@ class WorkerBlocks:
     partial: bool = True  # until the worker's start (AllBlocksCleared) or a matching digest is seen
     last_heard: float = 0.0
     digest_ahead: int | None = None  # seq of a digest that arrived before its batches
+    checkpoints: set[int] = field(default_factory=set)  # block hashes a state checkpoint is stored under
 
 
 class KVIndex:
@@ -80,6 +94,7 @@ class KVIndex:
                 del self._holders[h]
         w.hashes = set()
         w.xor_hashes = 0
+        w.checkpoints = set()
 
     def _store(self, w: WorkerBlocks, hashes: Iterable[int]) -> None:
         bit = 1 << w.slot
@@ -121,6 +136,10 @@ class KVIndex:
                 self._store(w, ev.block_hashes)
             elif isinstance(ev, BlockRemoved):
                 self._remove(w, ev.block_hashes)
+            elif isinstance(ev, CheckpointStored):
+                w.checkpoints.add(ev.block_hash)
+            elif isinstance(ev, CheckpointRemoved):
+                w.checkpoints.difference_update(ev.block_hashes)
             elif isinstance(ev, AllBlocksCleared):
                 self._clear(w)
                 w.partial = False
@@ -197,6 +216,23 @@ class KVIndex:
             if alive >> s & 1:
                 out[wid] = len(block_hashes)
         return out
+
+    def checkpoint_blocks(self, block_hashes: Sequence[int], worker_id: str, max_blocks: int) -> int:
+        """The longest state checkpoint `worker_id` holds within the first `max_blocks` of `block_hashes`
+        (a prompt's chained hashes; `max_blocks` its KV hit there), in blocks: the largest i <= max_blocks
+        whose block i - 1 has a checkpoint stored under its hash, 0 when none (or the worker is unknown)."""
+        w = self._workers.get(worker_id)
+        if w is None or not w.checkpoints:
+            return 0
+        for i in range(min(max_blocks, len(block_hashes)), 0, -1):
+            if block_hashes[i - 1] in w.checkpoints:
+                return i
+        return 0
+
+    def num_checkpoints(self, worker_id: str) -> int:
+        """State checkpoints indexed for one worker."""
+        w = self._workers.get(worker_id)
+        return len(w.checkpoints) if w else 0
 
     def num_blocks(self, worker_id: str | None = None) -> int:
         """Blocks indexed for one worker, or distinct hashes over all workers."""

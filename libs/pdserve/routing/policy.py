@@ -53,7 +53,10 @@ class Candidate:
     there (Dynamo's "active blocks"; 0 on a prefill worker), plus this request's own when it would decode
     there; `active_requests`: requests there now;
     `kv_usage`: fraction of its KV capacity in use (heartbeat), 0..1; `recent_requests`: its exponentially
-    weighted count of recent routing decisions (`ActiveLoad.recent_requests`), the stable load."""
+    weighted count of recent routing decisions (`ActiveLoad.recent_requests`), the stable load.
+    `checkpoint_blocks`: for a model with recurrent state (a hybrid), the longest state checkpoint the
+    worker holds within its KV hit (<= `cached_blocks`): its prefill resumes there, so only that much of
+    the hit saves compute; None for a model without state (the whole KV hit is usable)."""
 
     worker_id: str
     role: Role
@@ -64,10 +67,17 @@ class Candidate:
     active_requests: int
     kv_usage: float
     recent_requests: float = 0.0
+    checkpoint_blocks: int | None = None
+
+    @property
+    def usable_blocks(self) -> int:
+        """Blocks of the prompt the prefill does not compute: the KV hit, or for a hybrid the checkpoint."""
+        return self.cached_blocks if self.checkpoint_blocks is None else self.checkpoint_blocks
 
     @property
     def uncached_blocks(self) -> int:
-        return max(self.prompt_blocks - self.cached_blocks, 0)
+        """Blocks the prefill computes (prompt − usable hit)."""
+        return max(self.prompt_blocks - self.usable_blocks, 0)
 
     def cost_record(self, score: float) -> CandidateCost:
         """The candidate as recorded in `RouteDecision.candidates`, with the policy's `score` as cost."""
@@ -81,6 +91,7 @@ class Candidate:
             uncached_blocks=self.uncached_blocks,
             active_prefill_blocks=self.active_prefill_blocks,
             active_decode_blocks=self.active_decode_blocks,
+            checkpoint_blocks=self.checkpoint_blocks or 0,
         )
 
 

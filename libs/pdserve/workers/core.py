@@ -55,7 +55,8 @@ class WorkerCore:
         self.reserving: dict[str, str] = {}
         self.prefilling: dict[str, Sequence] = {}  # prefill role: sequences computing for a decode worker
         self.compute = asyncio.Lock()  # one engine call at a time on this worker's core
-        self.kv_events = KVEventPublisher(bus, self.worker_id, self.engine.block_manager)
+        self.kv_events = KVEventPublisher(bus, self.worker_id, self.engine.block_manager,
+                                          self.engine.state_pool)
         self.loop = EngineLoop(self.engine, self.compute, bus, self.worker_id,
                                commit_every_tokens=settings.commit_every_tokens,
                                after_step=self.kv_events.flush)

@@ -1,4 +1,6 @@
-"""A worker's KV cache events (vLLM's KV events) and digests, published for the KV-aware router."""
+"""A worker's KV cache events (vLLM's KV events) and digests, published for the KV-aware router. For a
+hybrid model the same batches carry its state checkpoints (`CheckpointStored` / `CheckpointRemoved`), so
+the router predicts the usable hit: the KV hit and the checkpoint the prefill can resume from."""
 
 from __future__ import annotations
 
@@ -6,17 +8,23 @@ import time
 
 from pdserve.bus import Bus
 from pdserve.engine.block_manager import BlockManager
-from pdserve.messages import AllBlocksCleared, BlockRemoved, BlockStored, KVDigest, KVEvents
+from pdserve.engine.state_pool import StatePool
+from pdserve.messages import AllBlocksCleared, KVDigest, KVEvents
+from pdserve.messages.kv_events import KVEvent
 
 
 class KVEventPublisher:
     """Publishes batches of `BlockManager` events on `pds.kv.<worker_id>` with a `seq` that grows by one
-    per batch, and `KVDigest`s (block count + XOR of held hashes) on `pds.kvdigest.<worker_id>`."""
+    per batch, and `KVDigest`s (block count + XOR of held hashes) on `pds.kvdigest.<worker_id>`. With a
+    `state_pool` (a hybrid), each batch also carries its checkpoint events, after the block events of the
+    same engine steps (the digest covers blocks only)."""
 
-    def __init__(self, bus: Bus, worker_id: str, block_manager: BlockManager) -> None:
+    def __init__(self, bus: Bus, worker_id: str, block_manager: BlockManager,
+                 state_pool: StatePool | None = None) -> None:
         self.bus = bus
         self.worker_id = worker_id
         self.block_manager = block_manager
+        self.state_pool = state_pool
         self.next_seq = 0
 
     async def cleared(self) -> None:
@@ -25,7 +33,9 @@ class KVEventPublisher:
 
     async def flush(self) -> None:
         """Publish whatever the block manager recorded since the last flush (nothing if empty)."""
-        events = self.block_manager.take_events()
+        events: list[KVEvent] = [*self.block_manager.take_events()]
+        if self.state_pool is not None:
+            events += self.state_pool.take_events()
         if events:
             await self._publish(events)
 
@@ -44,7 +54,7 @@ class KVEventPublisher:
             ),
         )
 
-    async def _publish(self, events: list[BlockStored | BlockRemoved | AllBlocksCleared]) -> None:
+    async def _publish(self, events: list[KVEvent]) -> None:
         seq, self.next_seq = self.next_seq, self.next_seq + 1
         await self.bus.publish(
             self.bus.subjects.kv_events(self.worker_id),
