@@ -245,6 +245,9 @@ class WorkerSettings(CommonSettings, ModelSettings):
     max_num_batched_tokens: int = Field(
         512, description="Tokens per engine step (decode tokens + prefill chunks): chunked-prefill budget.")
     max_num_seqs: int = Field(64, description="Sequences in one worker's running batch at most.")
+    checkpoint_interval: int = Field(
+        64, ge=0, description="A hybrid model's state checkpoint every this many tokens (a multiple of "
+        "block_size; 0 = none, so a prefix hit resumes nothing): the C of its (KV hit, checkpoint) pair.")
 
 
 class RecorderSettings(CommonSettings):

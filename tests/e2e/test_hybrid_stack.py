@@ -166,6 +166,12 @@ def test_disaggregated_log_reports_state_bytes_apart_from_kv_bytes(disaggregated
     num_prompt = len(loaded.tokenizer.encode("Tell me a story about a lighthouse"))
     assert transfer["kv_bytes"] == model.cache_spec().kv_bytes_per_token(model.dtype) * num_prompt
     assert transfer["num_layers"] == model.cache_spec().num_paged_layers
+    # when each half was verified, on the decode worker's clock (one host): after the prefill started,
+    # before the event saying both were
+    body = poll_lifecycle(disaggregated.url, r.headers["x-request-id"])
+    ts = {e["type"]: e["ts"] for e in body["events"]}
+    for half in ("kv_verified_ts", "state_verified_ts"):
+        assert ts["PrefillStarted"] < transfer[half] <= ts["TransferCompleted"], half
     # The prefill worker streamed the first token itself: the state handoff delays the second token, not
     # the first, so the TTFT has no state part (its carve-out when it does: tests/unit/test_hybrid_serving.py)
     assert prefill["first_token_ts"] > 0
