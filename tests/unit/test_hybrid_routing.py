@@ -189,3 +189,17 @@ def test_a_model_without_state_reads_as_no_hybrid_in_the_report():
     )
     report = summarize(fold_routed(events))
     assert report.hybrid_requests == 0 and report.cached_tokens == 96
+
+
+def test_pdserve_report_routing_prints_both_lengths(monkeypatch):
+    from rich.console import Console
+
+    from pdserve.cli import report as cli_report
+
+    rid = "01000000-0000-7000-8000-000000000004"
+    console = Console(record=True, width=200)
+    monkeypatch.setattr(cli_report, "console", console)
+    cli_report.print_report(summarize(fold_routed(lifecycle(rid, 96, 64, (96, 64)))))
+    text = console.export_text()
+    assert "┃ cached ┃ checkpoint ┃" in text  # the replicas table: a C column beside L
+    assert "L 96 tokens, C 64 tokens" in text and "32 cached KV tokens were recomputed" in text
