@@ -4,6 +4,7 @@
 #   make up [MODE=disaggregated|colocated] [MODEL=smollm2|tiny|kimi-tiny|<HF model dir>] [PREFILL=1] [DECODE=1] [PORT=8000]
 #   make down | status | logs [SERVICE=gateway] | test [ARGS=...] | lint | trace ID=... | replay [ID=...] | bench
 #   make observability-tools   Debian's prometheus, for the dashboards test (root; .ci/run runs it)
+#   make k8s-secrets [MODE=...]  the Secrets' sources of deploy/k8s/overlays/$(MODE) (git-ignored; README)
 #
 # `up` uses Docker Compose when a Docker engine answers (`docker info`), else `pdserve up`: nats-server and
 # Postgres embedded from wheels, every service a supervised process, logs in var/log (docs/architecture.md §9).
@@ -29,10 +30,10 @@ HAVE_DOCKER = docker info >/dev/null 2>&1
 COMPOSE_UP_disaggregated := up -d
 COMPOSE_UP_colocated := --profile colocated up -d --scale prefill-0=0 --scale decode-0=0
 
-.PHONY: help venv observability-tools up down status logs test lint trace replay bench
+.PHONY: help venv observability-tools k8s-secrets up down status logs test lint trace replay bench
 
 help:
-	@sed -n '1,9p' Makefile | sed 's/^# \{0,1\}//'
+	@sed -n '1,10p' Makefile | sed 's/^# \{0,1\}//'
 
 venv: $(STAMP)
 
@@ -58,6 +59,11 @@ observability-tools:
 	else \
 		echo "prometheus missing: as root, apt-get install prometheus (tests/e2e/test_dashboards.py skips)"; \
 	fi
+
+# NATS users and passwords (pdserve.nats_auth) and Grafana's admin password for the Kubernetes overlay of
+# MODE, into its secrets/ folder (never committed); passwords already there are kept.
+k8s-secrets: venv
+	$(BIN)/pdserve nats-users --mode $(MODE) --kubernetes --out deploy/k8s/overlays/$(MODE)/secrets
 
 up:
 	@if $(HAVE_DOCKER); then \

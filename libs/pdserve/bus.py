@@ -100,13 +100,15 @@ class Bus:
         return bus
 
     async def ensure_events_stream(self) -> None:
-        """Create the events stream if absent. File storage: a server restart keeps unrecorded events."""
+        """Create the events stream if absent, with `settings.events_replicas` replicas. File storage: a
+        server restart keeps unrecorded events."""
         config = StreamConfig(
             name=self.settings.events_stream,
             subjects=[self.subjects.all_events],
             retention=RetentionPolicy.LIMITS,
             storage=StorageType.FILE,
             duplicate_window=120.0,
+            num_replicas=self.settings.events_replicas,
         )
         try:
             await self.js.stream_info(self.settings.events_stream)

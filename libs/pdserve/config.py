@@ -66,6 +66,9 @@ class CommonSettings(BaseSettings):
     )
     var_dir: Path = Field(Path("var"), description="Logs (var/log), traces (var/traces), state (var/run).")
     events_stream: str = Field("PDS_EVENTS", description="JetStream stream holding every lifecycle event.")
+    events_replicas: int = Field(
+        1, ge=1, le=5, description="Replicas of the events stream when a process creates it (3 on a 3-node "
+        "NATS cluster, deploy/k8s); a stream that exists already is left as it is.")
     subject_prefix: str = Field(
         "pds", description="First token of every NATS subject; tests use their own to share one server."
     )
@@ -189,6 +192,22 @@ class RouterSettings(CommonSettings):
         600.0, description="The router's own record of a placed request is dropped after this long even "
         "if its end was never seen (a lost event must not leak load).")
     seed: int | None = Field(None, description="Seed of the random and temperature sampling (None = OS).")
+    prefill_s_per_token: float = Field(
+        4.8e-3, gt=0, description="Prefill cost per prompt token, seconds, against which a block held in a "
+        "tier below a worker's pool is weighed: such a block counts 1 − copy_s_per_token / "
+        "prefill_s_per_token of a pool block in the kv cost (routing/policy.py `tier_weights`). Default: "
+        "SmolLM2-135M fp32 on one core of this machine, median prefill_s / computed tokens in "
+        "docs/benchmarks/kv_tiers.md (benchmarks/kv_tiers.py measures both figures again).")
+    offload_copy_s_per_token: float = Field(
+        2.1e-4, ge=0, description="Cost per token of copying a block back from a worker's offload tier "
+        "(host memory: copy, checksum, scatter into the pool's layers), seconds; default measured in "
+        "docs/benchmarks/kv_tiers.md (SmolLM2 fp32, 720 KiB a block: 3.4 ms under shared load).")
+    disk_copy_s_per_token: float = Field(
+        3e-4, ge=0, description="The same for a disk tier (a file read and checksum), seconds per token.")
+    store_copy_s_per_token: float = Field(
+        4e-4, ge=0, description="The same for the shared store (a network read, ~1-2 GB/s over Mooncake's "
+        "TCP protocol here, plus a round trip per block), seconds per token; configured above the offload "
+        "tier's so a block only in the store counts less than one in a worker's own offload tier.")
 
 
 class CoordinatorSettings(CommonSettings):
@@ -248,6 +267,18 @@ class WorkerSettings(CommonSettings, ModelSettings):
     checkpoint_interval: int = Field(
         64, ge=0, description="A hybrid model's state checkpoint every this many tokens (a multiple of "
         "block_size; 0 = none, so a prefix hit resumes nothing): the C of its (KV hit, checkpoint) pair.")
+    kv_offload_blocks: int = Field(
+        0, ge=0, description="Capacity in blocks of the worker's offload tier: host memory below the paged "
+        "pool that keeps full cached blocks the pool evicts, LRU, checksummed "
+        "(engine/kv_tiers/host_tier.py); 0 = no offload tier. Memory: blocks x block_size x KV bytes per "
+        "token (SmolLM2 fp32: 720 KiB a block).")
+    kv_disk_blocks: int = Field(
+        0, ge=0, description="Capacity in blocks of the worker's disk tier, below the offload tier: one file "
+        "per block under kv_disk_dir/<worker_id>, LRU, checksummed (engine/kv_tiers/disk_tier.py); 0 = no "
+        "disk tier.")
+    kv_disk_dir: Path | None = Field(
+        None, description="Where the disk tiers keep their files (a folder per worker, emptied at its "
+        "start); None = <var_dir>/kv-disk.")
 
 
 class RecorderSettings(CommonSettings):

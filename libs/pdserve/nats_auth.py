@@ -1,8 +1,10 @@
 """Least privilege on NATS: one user per process of a stack, each allowed only the subjects its service
 uses (docs/architecture.md §9). A worker publishes its own heartbeat, KV events, digest and finish report,
 token chunks and the event types workers emit — never a coordinator command (`<prefix>.coord.*`) nor
-another worker's subjects; the gateway never touches worker subjects; only the recorder consumes the
-events stream with acks. `admin` (the CLI, the supervisor) may do anything.
+another worker's subjects; the gateway never touches worker subjects; on JetStream each may use only the
+API subjects it needs, on the events stream only: the recorder its durable consumer (pull, ack), the
+gateway and coordinator ephemeral ack-less consumers (their journal reads), workers and the router none
+beyond looking the stream up. `admin` (the CLI, the supervisor) may do anything.
 
 `stack_users` makes the users of a plan with fresh random passwords; `server_config` is the nats-server
 `authorization` block for them; `write_users` / `read_users` keep them in a 0600 JSON file under var/
@@ -35,11 +37,35 @@ EMITS: dict[str, tuple[str, ...]] = {
     "recorder": (),
 }
 COMMANDS = ("reserve", "prefill", "start", "release")  # what the coordinator sends a worker
-# JetStream API every service uses (Bus.connect makes sure the events stream exists), and what reading the
-# stream through a consumer takes (the gateway's and coordinator's journal reads, the recorder's pulls).
-JS_CONNECT = ("$JS.API.INFO", "$JS.API.STREAM.INFO.*", "$JS.API.STREAM.CREATE.*")
-JS_READ = ("$JS.API.CONSUMER.>", "$JS.API.STREAM.MSG.GET.*", "$JS.API.DIRECT.GET.>", "$JS.ACK.>")
+RECORDER_DURABLE = "pdserve-recorder"  # pdserve.store.recorder.DURABLE: the one consumer that acks
 INBOX = "_INBOX.>"  # replies to this connection's requests (nats-py's default inbox prefix)
+
+
+def js_connect(stream: str) -> list[str]:
+    """The JetStream API every service uses, on the events stream only: `Bus.connect` looks the stream up
+    and creates it when absent (publishing an event needs no API subject: the event's own, acked on the
+    inbox)."""
+    return [f"$JS.API.STREAM.INFO.{stream}", f"$JS.API.STREAM.CREATE.{stream}"]
+
+
+def js_journal(stream: str) -> tuple[list[str], list[str]]:
+    """(allow, deny) of a journal reader (`lifecycle/journal.py: read_stream`, the gateway's and
+    coordinator's): it makes ephemeral ack-less consumers (named by nats-py, so any name but the
+    recorder's), asks their info and pulls from them, and reads the recorder's consumer info (its ack
+    floor). It may not pull, ack, make or delete the recorder's consumer, nor delete anything."""
+    api = "$JS.API.CONSUMER"
+    allow = [f"{api}.CREATE.{stream}.*.>", f"{api}.INFO.{stream}.*", f"{api}.MSG.NEXT.{stream}.*"]
+    deny = [f"{api}.CREATE.{stream}.{RECORDER_DURABLE}.>", f"{api}.MSG.NEXT.{stream}.{RECORDER_DURABLE}"]
+    return allow, deny
+
+
+def js_recorder(stream: str) -> list[str]:
+    """The recorder's JetStream API: its durable consumer only — make it (nats-py's legacy durable
+    subject, or the named form), ask its info, pull from it, ack what it committed."""
+    api, d = "$JS.API.CONSUMER", RECORDER_DURABLE
+    return [f"{api}.DURABLE.CREATE.{stream}.{d}", f"{api}.CREATE.{stream}.{d}",
+            f"{api}.CREATE.{stream}.{d}.>",
+            f"{api}.INFO.{stream}.{d}", f"{api}.MSG.NEXT.{stream}.{d}", f"$JS.ACK.{stream}.{d}.>"]
 
 
 def kind_of(role: str) -> str:
@@ -51,28 +77,37 @@ def kind_of(role: str) -> str:
     return role
 
 
-def permissions(name: str, role: str, prefix: str) -> dict[str, Any]:
-    """nats-server permissions of process `name` (a worker's id) with `role`, on subjects under `prefix`.
-    Replies to requests it receives are allowed (`allow_responses`)."""
+def permissions(name: str, role: str, prefix: str, stream: str = "PDS_EVENTS") -> dict[str, Any]:
+    """nats-server permissions of process `name` (a worker's id) with `role`, on subjects under `prefix`
+    and the events stream `stream` (`PDS_EVENTS_STREAM`). Replies to requests it receives are allowed
+    (`allow_responses`). JetStream: every service may look up and create the events stream; only the
+    recorder consumes it with acks; the gateway and coordinator read it through ephemeral ack-less
+    consumers; workers and the router only publish."""
     s = Subjects(prefix)
     kind = kind_of(role)
-    pub: list[str] = [*JS_CONNECT, *(s.event("*", t) for t in EMITS[kind])]
+    pub: list[str] = [*js_connect(stream), *(s.event("*", t) for t in EMITS[kind])]
+    pub_deny: list[str] = []
     sub: list[str] = [INBOX]
     if kind == "worker":
         pub += [s.heartbeat(name), s.kv_events(name), s.kv_digest(name), s.finished(name), s.tokens("*")]
-        sub += [f"{prefix}.worker.{name}.*"]
+        sub += [f"{prefix}.worker.{name}.*", s.heartbeat(name)]  # its own heartbeat: `pdserve ready`
     elif kind == "gateway":
-        pub += [s.submit, s.abort, *JS_READ]
+        allow, pub_deny = js_journal(stream)
+        pub += [s.submit, s.abort, *allow]
         sub += [s.tokens("*"), s.event("*", "*"), s.heartbeat()]
     elif kind == "coordinator":
-        pub += [s.route, *(s.worker("*", c) for c in COMMANDS), s.tokens("*"), *JS_READ]  # type: ignore[arg-type]
+        allow, pub_deny = js_journal(stream)
+        pub += [s.route, *(s.worker("*", c) for c in COMMANDS), s.tokens("*"), *allow]  # type: ignore[arg-type]
         sub += [s.submit, s.abort, s.finished(), s.heartbeat(), s.tokens("*")]
     elif kind == "router":
         pub += [s.incompatible()]
         sub += [s.route, s.heartbeat(), s.kv_events(), s.kv_digest(), s.all_events]
     elif kind == "recorder":
-        pub += [*JS_READ]
-    return {"publish": {"allow": pub}, "subscribe": {"allow": sub}, "allow_responses": True}
+        pub += js_recorder(stream)
+    publish: dict[str, list[str]] = {"allow": pub}
+    if pub_deny:
+        publish["deny"] = pub_deny
+    return {"publish": publish, "subscribe": {"allow": sub}, "allow_responses": True}
 
 
 @dataclass(frozen=True)
@@ -82,10 +117,12 @@ class NatsUser:
     permissions: dict[str, Any] | None  # None: everything (admin)
 
 
-def stack_users(processes: Iterable[tuple[str, str]], prefix: str) -> list[NatsUser]:
-    """`admin` plus one user per (name, role) process, each with a fresh 32-byte random password."""
+def stack_users(processes: Iterable[tuple[str, str]], prefix: str,
+                stream: str = "PDS_EVENTS") -> list[NatsUser]:
+    """`admin` plus one user per (name, role) process, each with a fresh 32-byte random password and the
+    permissions of `permissions(name, role, prefix, stream)`."""
     users = [NatsUser(ADMIN, secrets.token_urlsafe(32), None)]
-    users += [NatsUser(name, secrets.token_urlsafe(32), permissions(name, role, prefix))
+    users += [NatsUser(name, secrets.token_urlsafe(32), permissions(name, role, prefix, stream))
               for name, role in processes]
     return users
 
@@ -101,7 +138,8 @@ def server_config(users: Iterable[NatsUser]) -> str:
     return "authorization " + json.dumps({"users": entries}, indent=2) + "\n"
 
 
-def _write_private(path: Path, text: str) -> None:
+def write_private(path: Path, text: str) -> None:
+    """Write `text` to `path` (parents made), readable by its owner only (mode 0600)."""
     path.parent.mkdir(parents=True, exist_ok=True)
     fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o600)
     with os.fdopen(fd, "w") as f:
@@ -111,11 +149,11 @@ def _write_private(path: Path, text: str) -> None:
 
 def write_users(path: Path, users: Iterable[NatsUser]) -> None:
     """{user: password} as JSON in `path`, readable by its owner only."""
-    _write_private(path, json.dumps({u.name: u.password for u in users}, indent=2) + "\n")
+    write_private(path, json.dumps({u.name: u.password for u in users}, indent=2) + "\n")
 
 
 def write_server_config(path: Path, users: Iterable[NatsUser]) -> None:
-    _write_private(path, server_config(users))
+    write_private(path, server_config(users))
 
 
 def read_users(path: Path) -> dict[str, str]:

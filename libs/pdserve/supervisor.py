@@ -149,8 +149,9 @@ class Supervisor:
         """Fresh per-service NATS users for the embedded server (pdserve.nats_auth): their passwords in
         var/run/nats-users.json, the server's authorization in var/run/nats-auth.conf (both 0600). Returns
         the configuration's path."""
-        prefix = CommonSettings().subject_prefix
-        users = stack_users([(s.name, s.role) for s in self.plan], prefix)
+        settings = CommonSettings()
+        users = stack_users([(s.name, s.role) for s in self.plan], settings.subject_prefix,
+                            settings.events_stream)
         users_file = self.var_dir / "run" / "nats-users.json"
         config = self.var_dir / "run" / "nats-auth.conf"
         write_users(users_file, users)

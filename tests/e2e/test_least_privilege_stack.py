@@ -24,7 +24,8 @@ pytestmark = pytest.mark.stack
 def secured_stack(isolated_settings, tmp_path_factory) -> Iterator[tuple[EnvStack, object]]:
     tmp = tmp_path_factory.mktemp("secured-stack")
     settings = isolated_settings("lpstack")
-    users = stack_users([(s.name, s.role) for s in service_plan("disaggregated")], settings.subject_prefix)
+    users = stack_users([(s.name, s.role) for s in service_plan("disaggregated")], settings.subject_prefix,
+                        settings.events_stream)
     write_server_config(tmp / "auth.conf", users)
     write_users(tmp / "users.json", users)
     server = start_nats(tmp / "js", port=free_port(), config_path=tmp / "auth.conf")

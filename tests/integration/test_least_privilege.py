@@ -189,3 +189,91 @@ async def test_the_gateway_role_writes_its_api_keys_and_the_reader_does_not(data
     finally:
         await gateway.close()
         await reader.close()
+
+
+STREAM = "PDS_EVENTS"  # the secured server is this module's own: the default stream name is free
+DURABLE = "pdserve-recorder"
+
+
+@pytest.fixture(scope="module")
+async def events_stream(secured_nats, prefix) -> str:
+    """The events stream with one event and the recorder's durable consumer, made as admin."""
+    from nats.js.api import AckPolicy, ConsumerConfig, StreamConfig
+
+    url, users = secured_nats
+    nc = await nats.connect(url, user="admin", password=users["admin"].password)
+    js = nc.jetstream()
+    await js.add_stream(StreamConfig(name=STREAM, subjects=[f"{prefix}.events.>"]))
+    await js.add_consumer(STREAM, ConsumerConfig(durable_name=DURABLE, ack_policy=AckPolicy.EXPLICIT,
+                                                 filter_subject=f"{prefix}.events.>"))
+    await js.publish(f"{prefix}.events.r1.RequestReceived", b"{}")
+    await nc.close()
+    return STREAM
+
+
+def js_api(*tail: str) -> str:
+    return ".".join(("$JS.API", *tail))
+
+
+async def test_workers_and_the_router_only_publish_to_jetstream(connect, events_stream, prefix):
+    for name in ("decode-0", "prefill-0", "router"):
+        client = await connect(name)
+        js = client.nc.jetstream(timeout=2)
+        assert (await js.stream_info(STREAM)).config.name == STREAM  # Bus.connect looks it up
+        denied = [js_api("CONSUMER.CREATE", STREAM, "c1", f"{prefix}.events.>"),
+                  js_api("CONSUMER.CREATE", STREAM), js_api("CONSUMER.DURABLE.CREATE", STREAM, DURABLE),
+                  js_api("CONSUMER.MSG.NEXT", STREAM, DURABLE),
+                  js_api("CONSUMER.INFO", STREAM, DURABLE), js_api("CONSUMER.DELETE", STREAM, DURABLE),
+                  js_api("STREAM.DELETE", STREAM), js_api("STREAM.PURGE", STREAM),
+                  js_api("STREAM.UPDATE", STREAM), js_api("STREAM.MSG.GET", STREAM), js_api("INFO"),
+                  js_api("STREAM.INFO", "ANOTHER_STREAM"), f"$JS.ACK.{STREAM}.{DURABLE}.1.1.1.0.0"]
+        for subject in denied:
+            assert not await client.publish(subject), (name, subject)
+
+
+async def test_journal_readers_read_the_stream_but_never_the_recorders_consumer(connect, events_stream,
+                                                                                 prefix):
+    from nats.js.api import AckPolicy, ConsumerConfig
+
+    for name in ("gateway", "coordinator"):
+        client = await connect(name)
+        js = client.nc.jetstream(timeout=2)
+        # What lifecycle/journal.py's read_stream does: an ephemeral, ack-less pull consumer.
+        sub = await js.pull_subscribe(f"{prefix}.events.r1.*", stream=STREAM,
+                                      config=ConsumerConfig(ack_policy=AckPolicy.NONE,
+                                                            inactive_threshold=5.0))
+        msgs = await sub.fetch(1, timeout=2)
+        assert [m.subject for m in msgs] == [f"{prefix}.events.r1.RequestReceived"]
+        await sub.unsubscribe()
+        info = await js.consumer_info(STREAM, DURABLE)  # the recorder's ack floor (recorded_floor)
+        assert info.name == DURABLE
+        denied = [js_api("CONSUMER.MSG.NEXT", STREAM, DURABLE),
+                  js_api("CONSUMER.CREATE", STREAM, DURABLE, f"{prefix}.events.>"),
+                  js_api("CONSUMER.DURABLE.CREATE", STREAM, DURABLE),
+                  js_api("CONSUMER.DELETE", STREAM, DURABLE),
+                  js_api("STREAM.DELETE", STREAM), js_api("STREAM.PURGE", STREAM),
+                  f"$JS.ACK.{STREAM}.{DURABLE}.1.1.1.0.0"]
+        for subject in denied:
+            assert not await client.publish(subject), (name, subject)
+    admin = await connect("admin")
+    info = await admin.nc.jetstream().consumer_info(STREAM, DURABLE)
+    assert info.num_pending == 1 and info.delivered.stream_seq == 0  # nobody took the recorder's event
+
+
+async def test_only_the_recorder_consumes_the_events_stream_with_acks(connect, events_stream, prefix):
+    recorder = await connect("recorder")
+    js = recorder.nc.jetstream(timeout=2)
+    sub = await js.pull_subscribe(f"{prefix}.events.>", durable=DURABLE, stream=STREAM)
+    msgs = await sub.fetch(1, timeout=2)
+    assert [m.subject for m in msgs] == [f"{prefix}.events.r1.RequestReceived"]
+    await msgs[0].ack_sync(timeout=2)
+    denied = [js_api("CONSUMER.CREATE", STREAM, "other", f"{prefix}.events.>"),
+              js_api("CONSUMER.DURABLE.CREATE", STREAM, "other"),
+              js_api("CONSUMER.MSG.NEXT", STREAM, "other"),
+              js_api("CONSUMER.DELETE", STREAM, DURABLE), js_api("STREAM.DELETE", STREAM),
+              js_api("STREAM.PURGE", STREAM)]
+    for subject in denied:
+        assert not await recorder.publish(subject), subject
+    admin = await connect("admin")
+    info = await admin.nc.jetstream().consumer_info(STREAM, DURABLE)
+    assert info.ack_floor.stream_seq == 1 and info.num_ack_pending == 0

@@ -32,6 +32,7 @@ LOG = [
     ("prefill-2", 120, 96, 96, 80, (2, 1, 0)),
     ("prefill-0", 80, 48, 48, 48, (1, 1, 1)),
 ]
+TIER_SPLIT = {3: {"pool": 48, "offload": 32}}  # LOG[3]: 80 cached tokens, 32 of them from offload
 
 
 def synthetic_log() -> list[Event]:
@@ -77,6 +78,9 @@ def synthetic_log() -> list[Event]:
                     transfer_id="x",
                     first_token_id=1,
                     num_cached_tokens=actual,
+                    # one request's hit came partly from its worker's offload tier; the others record no
+                    # split (as events before tiers existed): all pool
+                    cached_tokens_by_tier=TIER_SPLIT.get(i, {}),
                     num_computed_tokens=prompt - actual,
                     kv_bytes=1,
                     prefill_s=0.001 * (prompt - actual),
@@ -136,6 +140,16 @@ async def test_report_gives_hit_rate_per_replica_against_the_ceiling(logged):
     assert report.policies == {"kv": 5} and report.modes == {"disaggregated": 5}
 
 
+async def test_report_splits_the_hit_rate_by_tier(logged):
+    report = await load_report(logged, *WINDOW)
+    assert report.cached_tokens_by_tier == {"offload": 32, "pool": 160}
+    assert report.hit_rate_by_tier == pytest.approx({"offload": 32 / 600, "pool": 160 / 600})
+    assert sum(report.hit_rate_by_tier.values()) == pytest.approx(report.hit_rate)
+    rows = {r.replica: r for r in report.replicas}
+    assert rows["prefill-2"].cached_tokens_by_tier == {"offload": 32, "pool": 48}
+    assert rows["prefill-1"].cached_tokens_by_tier == {}
+
+
 async def test_report_window_excludes_requests_routed_outside_it(logged):
     since = datetime.fromtimestamp(T0 + 2.5, UTC)
     report = await load_report(logged, since, WINDOW[1])
@@ -161,6 +175,7 @@ def test_report_command_prints_json(logged, capsys):
     )
     out = json.loads(capsys.readouterr().out)
     assert out["requests"] == 5 and out["of_ceiling"] == pytest.approx(192 / 272)
+    assert out["hit_rate_by_tier"] == pytest.approx({"offload": 32 / 600, "pool": 160 / 600})
 
 
 async def test_replay_re_decides_the_logged_requests_with_each_policy(logged):

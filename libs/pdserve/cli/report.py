@@ -1,7 +1,9 @@
 """`pdserve report routing`: how well the router used the prefix caches over a time window, from the
 event log — per-replica hit rate against the perfect-router ceiling, the prefill tokens the gap cost,
-prediction accuracy and load balance (`pdserve.routing.report`); for a hybrid model both lengths of its
-hits, the KV hit L ("cached") and the state checkpoint C <= L its prefills resumed from ("checkpoint").
+prediction accuracy and load balance (`pdserve.routing.report`); with KV tiers below the pools, the hit
+rate split by the tier each cached token came from ("pool", "offload", ...); for a hybrid model both
+lengths of its hits, the KV hit L ("cached") and the state checkpoint C <= L its prefills resumed from
+("checkpoint").
 
 The database is found as for `pdserve replay` (`--database-url`, `$PDS_DATABASE_URL`, the running
 stack's, the default).
@@ -40,11 +42,18 @@ async def load_report(url: str, since: datetime | None, until: datetime | None) 
 def report_dict(report: RoutingReport) -> dict:
     """The report as plain JSON-able data, derived ratios included."""
     out = asdict(report)
-    for name in ("hit_rate", "ceiling_hit_rate", "of_ceiling", "max_min_requests", "max_min_active_requests"):
+    for name in ("hit_rate", "ceiling_hit_rate", "of_ceiling", "max_min_requests", "max_min_active_requests",
+                 "hit_rate_by_tier"):
         out[name] = getattr(report, name)
     for row, stats in zip(out["replicas"], report.replicas, strict=True):
         row["hit_rate"], row["ceiling_hit_rate"] = stats.hit_rate, stats.ceiling_hit_rate
+        row["hit_rate_by_tier"] = stats.hit_rate_by_tier
     return out
+
+
+def tier_split(hit_rate_by_tier: dict[str, float]) -> str:
+    """'pool 41.0% · offload 12.5%': a hit rate split by tier ('—' when nothing was cached)."""
+    return " · ".join(f"{t} {v:.1%}" for t, v in hit_rate_by_tier.items()) or "—"
 
 
 def print_report(report: RoutingReport) -> None:
@@ -55,7 +64,7 @@ def print_report(report: RoutingReport) -> None:
         return
     hybrid = report.hybrid_requests > 0  # a model with state: the hit is (KV hit L, checkpoint C)
     columns = ["replica", "requests", "prompt tokens", "cached", *(["checkpoint"] if hybrid else []),
-               "hit rate", "ceiling", "of ceiling", "mean active"]
+               "hit rate", "by tier", "ceiling", "of ceiling", "mean active"]
     table = Table(*columns, title="prefill replicas", title_justify="left", header_style="bold")
     for r in report.replicas:
         of = f"{r.cached_tokens / r.ceiling_tokens:.1%}" if r.ceiling_tokens else "—"
@@ -66,6 +75,7 @@ def print_report(report: RoutingReport) -> None:
             str(r.cached_tokens),
             *([str(r.checkpoint_tokens)] if hybrid else []),
             f"{r.hit_rate:.1%}",
+            tier_split(r.hit_rate_by_tier),
             f"{r.ceiling_hit_rate:.1%}",
             of,
             f"{r.mean_active_requests:.2f}",
@@ -83,8 +93,8 @@ def print_report(report: RoutingReport) -> None:
         f"{report.requests} requests ({report.unfinished} without a completed prefill) · policy "
         f"{', '.join(f'{k} {v}' for k, v in report.policies.items())} · mode "
         f"{', '.join(f'{k} {v}' for k, v in report.modes.items())}\n"
-        f"hit rate {report.hit_rate:.1%} vs ceiling {report.ceiling_hit_rate:.1%} "
-        f"({report.of_ceiling:.1%} of it); "
+        f"hit rate {report.hit_rate:.1%} ({tier_split(report.hit_rate_by_tier)}) vs ceiling "
+        f"{report.ceiling_hit_rate:.1%} ({report.of_ceiling:.1%} of it); "
         f"the gap cost {report.gap_tokens} prefill tokens\n"
         f"prediction exact for {report.prediction_exact:.1%} of requests, mean error "
         f"{report.prediction_mae_tokens:.1f} tokens\n"

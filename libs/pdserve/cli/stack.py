@@ -269,13 +269,41 @@ def logs(args: argparse.Namespace) -> int:
 
 
 def migrate(args: argparse.Namespace) -> int:
+    """`pdserve migrate`: create and migrate the database (as its owner). With `--wait`, change nothing:
+    wait until another process (compose's or Kubernetes' one-shot `migrate`) has brought it to head, as
+    any service role may read; exit 1 if that has not happened within `--timeout` seconds."""
     from pdserve.config import CommonSettings
     from pdserve.supervisor import prepare_database
 
     url = args.database_url or CommonSettings().database_url
+    if args.wait:
+        return _wait_for_migrations(url, args.timeout)
     prepare_database(url)
     console.print(f"database ready at head: {url}")
     return 0
+
+
+def _wait_for_migrations(url: str, timeout_s: float) -> int:
+    from sqlalchemy.exc import DBAPIError
+
+    from pdserve.store.migrate import current_revision, head_revision
+
+    head = head_revision()
+    deadline = time.monotonic() + timeout_s
+    seen: str | None = "unreachable"
+    while True:
+        try:
+            seen = current_revision(url)
+        except (DBAPIError, OSError) as e:  # not up yet, or the role not made yet (migration 0004)
+            seen = f"unreachable ({type(e).__name__})"
+        if seen == head:
+            console.print(f"database at head {head}: {url}")
+            return 0
+        if time.monotonic() >= deadline:
+            console.print(f"[red]database not at head {head} after {timeout_s:.0f} s (at {seen}): "
+                          f"{url}[/red]")
+            return 1
+        time.sleep(1.0)
 
 
 def add_parsers(sub: argparse._SubParsersAction) -> None:
@@ -315,4 +343,7 @@ def add_parsers(sub: argparse._SubParsersAction) -> None:
 
     p = sub.add_parser("migrate", help="create the event-store database if absent and migrate it to head")
     p.add_argument("--database-url", help="SQLAlchemy asyncpg URL (default $PDS_DATABASE_URL)")
+    p.add_argument("--wait", action="store_true",
+                   help="change nothing: wait until the database is at head (a pod's init container)")
+    p.add_argument("--timeout", type=float, default=600.0, help="seconds --wait waits (default 600)")
     p.set_defaults(func=migrate)

@@ -6,11 +6,16 @@ sequence's `cache_salt` as extra key); a later sequence whose leading full block
 those blocks (ref count + 1) instead of recomputing them. A block whose ref count drops to 0 stays in the
 cache, free; free cached blocks are evicted least recently freed first, and only when no never-cached free
 block is left. Every registration and eviction is recorded as a KV cache event for the router.
+
+With KV tiers below the pool (`engine/kv_tiers`), the manager also records each evicted cached block with
+the block id still holding its KV (`take_evicted`, for the write-down) and each newly computed block
+(`take_computed`, for a write_on="compute" tier), and registers blocks copied back from a tier
+(`register_loaded`) as if they were hits.
 """
 
 from __future__ import annotations
 
-from collections import OrderedDict, deque
+from collections import Counter, OrderedDict, deque
 from typing import NamedTuple
 
 from pdserve.engine.block_hash import block_hash, root_hash
@@ -51,6 +56,11 @@ class BlockManager:
         self.events: list[BlockStored | BlockRemoved] = []
         self.num_queried_tokens = 0  # prompt tokens looked up at allocation (prefix_cache_queries)
         self.num_hit_tokens = 0  # of which found cached (prefix_cache_hits)
+        self.num_hit_tokens_by_tier: Counter[str] = Counter()  # the same, by tier ("pool", "offload", ...)
+        self.record_evictions = False  # keep (hash, block id) of every evicted cached block: take_evicted
+        self.record_computed = False  # keep (hash, block id) of every newly registered block: take_computed
+        self._evicted: list[tuple[int, int]] = []
+        self._computed: list[tuple[int, int]] = []
 
     # ------------------------------------------------------------ capacity
 
@@ -67,6 +77,11 @@ class BlockManager:
         return 1.0 - self.num_free_blocks / self.num_blocks
 
     # ------------------------------------------------------------ prefix cache
+
+    def hit_limit(self, seq: Sequence) -> int:
+        """Most leading full blocks of `seq` a prefix hit may cover: (len - 1) // block_size (the last
+        token's block is always computed)."""
+        return (len(seq) - 1) // self.block_size
 
     def find_prefix(self, seq: Sequence) -> PrefixHit:
         """The sequence's leading full blocks held in the cache, stopping at the first miss. The block of
@@ -120,12 +135,55 @@ class BlockManager:
                 if not stored:
                     run_parent = prev
                 stored.append(h)
+                if self.record_computed:
+                    self._computed.append((h, block_id))
             elif stored:  # the run of newly stored hashes is broken: report it
                 self.events.append(BlockStored(block_hashes=tuple(stored), parent_block_hash=run_parent))
                 stored = []
             prev = h
         if stored:
             self.events.append(BlockStored(block_hashes=tuple(stored), parent_block_hash=run_parent))
+
+    def register_loaded(self, seq: Sequence, tiers: list[str]) -> None:
+        """`seq`'s blocks right after its registered ones (indexes len(seq.block_hashes) ..) now hold KV
+        copied back from the tiers named in `tiers`, one per block: register them (BlockStored) and count
+        them as cached, as prefix hits are. Only right after `allocate`, before anything is computed."""
+        if not tiers:
+            return
+        if seq.num_computed_tokens != len(seq.block_hashes) * self.block_size:
+            raise ValueError(f"{seq.request_id}: loaded blocks must follow its cached ones")
+        start = len(seq.block_hashes)
+        hashes = self.chain_hashes(seq, start + len(tiers))[start:]
+        prev = seq.block_hashes[-1] if seq.block_hashes else None
+        stored: list[int] = []
+        for h, block_id in zip(hashes, seq.block_table[start:], strict=False):
+            seq.block_hashes.append(h)
+            if h not in self.hash_to_block and self.hash_of[block_id] is None:
+                self.hash_to_block[h] = block_id
+                self.hash_of[block_id] = h
+                self.xor_hashes ^= h
+                stored.append(h)
+        if stored:
+            self.events.append(BlockStored(block_hashes=tuple(stored), parent_block_hash=prev))
+        n = len(tiers) * self.block_size
+        seq.num_cached_tokens += n
+        seq.num_computed_tokens += n
+        self.num_hit_tokens += n
+        for name in tiers:
+            seq.cached_tokens_by_tier[name] = seq.cached_tokens_by_tier.get(name, 0) + self.block_size
+            self.num_hit_tokens_by_tier[name] += self.block_size
+
+    def take_evicted(self) -> list[tuple[int, int]]:
+        """(block hash, block id) of every cached block evicted since the last call (with
+        `record_evictions`): the block id still holds its KV until the caller lets anything write it."""
+        evicted, self._evicted = self._evicted, []
+        return evicted
+
+    def take_computed(self) -> list[tuple[int, int]]:
+        """(block hash, block id) of every block registered by `cache_full_blocks` since the last call
+        (with `record_computed`)."""
+        computed, self._computed = self._computed, []
+        return computed
 
     def take_events(self) -> list[BlockStored | BlockRemoved]:
         """KV cache events since the last call, oldest first."""
@@ -161,8 +219,10 @@ class BlockManager:
         for _ in range(self.blocks_for(num_tokens) - len(hit.block_ids)):
             seq.block_table.append(self._take_free_block())
         seq.num_cached_tokens = seq.num_computed_tokens = len(hit.block_ids) * self.block_size
+        seq.cached_tokens_by_tier = {"pool": seq.num_cached_tokens} if hit.block_ids else {}
         self.num_queried_tokens += len(seq)
         self.num_hit_tokens += seq.num_cached_tokens
+        self.num_hit_tokens_by_tier["pool"] += seq.num_cached_tokens
 
     def append_slots(self, seq: Sequence, num_tokens: int) -> None:
         """Grow `seq`'s block table to hold `num_tokens` tokens. Raises NoFreeBlocks (nothing changed)."""
@@ -203,5 +263,7 @@ class BlockManager:
             self.hash_of[block_id] = None
             self.xor_hashes ^= evicted
             self.events.append(BlockRemoved(block_hashes=(evicted,)))
+            if self.record_evictions:
+                self._evicted.append((evicted, block_id))
         self.ref_counts[block_id] = 1
         return block_id

@@ -14,18 +14,23 @@ class _KVEvent(BaseModel):
 
 class BlockStored(_KVEvent):
     """Full blocks now held in the worker's prefix cache, in chain order (`block_hashes[0]`'s parent is
-    `parent_block_hash`; None = the sequence's first block). Hashes: `pdserve.engine.block_hash`."""
+    `parent_block_hash`; None = the sequence's first block). Hashes: `pdserve.engine.block_hash`.
+    `tier`: where they are held — "pool" (the paged pool) or a tier below it (`engine/kv_tiers`: "offload",
+    "disk"); a tier's events carry no parent (its blocks are stored one by one, as the pool evicts them)."""
 
     kind: Literal["BlockStored"] = "BlockStored"
     block_hashes: tuple[int, ...]
     parent_block_hash: int | None = None
+    tier: str = "pool"
 
 
 class BlockRemoved(_KVEvent):
-    """Blocks evicted from the worker's prefix cache."""
+    """Blocks evicted from the worker's prefix cache: from its pool (`tier` "pool", where an offload tier
+    may still hold them) or from a tier below it."""
 
     kind: Literal["BlockRemoved"] = "BlockRemoved"
     block_hashes: tuple[int, ...]
+    tier: str = "pool"
 
 
 class AllBlocksCleared(_KVEvent):

@@ -6,17 +6,26 @@ For a model with recurrent state (a hybrid: `model_family.CacheSpec.state`), the
 `checkpoint_interval` tokens for prefix caching, and the two calls a disaggregated handoff needs — the whole
 state of a sequence after its last prefill chunk (`StepOutput.state` of its `prefill_done` output, or
 `read_state` of a parked one) and `install_state` into a sequence reserved with `state_arrives=True`.
+
+With KV tiers (`tiers`: `engine/kv_tiers`, in lookup order), a full cached block the pool evicts is written
+down to the write_on="evict" tiers instead of dropped, each newly computed full block goes to the
+write_on="compute" tiers, and admission copies a prefix hit found in a tier back into the pool
+(`Scheduler`). The sequence's `cached_tokens_by_tier` says where its cached tokens came from.
 """
 
 from __future__ import annotations
 
 from collections.abc import Iterable
+from collections.abc import Sequence as SequenceOf
 from dataclasses import dataclass
 from typing import NamedTuple
 
 import torch
 
 from pdserve.engine.block_manager import BlockManager, NoFreeBlocks
+from pdserve.engine.kv_events import BlockRemoved, BlockStored, CheckpointRemoved, CheckpointStored
+from pdserve.engine.kv_tiers.tier import KVTier
+from pdserve.engine.kv_tiers.tier_set import KVTierSet
 from pdserve.engine.model_family import EngineModel
 from pdserve.engine.model_runner import ModelRunner
 from pdserve.engine.outputs import FinishReason, TokenLogprobs
@@ -85,9 +94,15 @@ class LLMEngine:
     (a worker serializes calls with its compute lock and runs `step` in a thread).
 
     `stop_token_ids`: the model's EOS/stop tokens (a sequence with `ignore_eos` runs past them).
+    `tiers`: KV tiers below the pool, in lookup order (`kv_tiers.tier.KVTier`); none for a model with
+    recurrent state (ValueError). `tier_writer_thread`: store written-down blocks in a background thread
+    (False: inline, deterministic for tests). Call `close` to stop that thread.
     """
 
-    def __init__(self, model: EngineModel, config: EngineConfig, stop_token_ids: Iterable[int] = ()) -> None:
+    def __init__(
+        self, model: EngineModel, config: EngineConfig, stop_token_ids: Iterable[int] = (),
+        tiers: SequenceOf[KVTier] = (), tier_writer_thread: bool = True,
+    ) -> None:
         self.config = config
         self.model = model
         self.block_manager = BlockManager(config.num_blocks, config.block_size, config.hash_seed)
@@ -101,11 +116,18 @@ class LLMEngine:
                 device=model.device, dtype=model.dtype,
             )
         max_len = min(config.max_model_len, model.config.max_position_embeddings)
+        self.runner = ModelRunner(model, config.num_blocks, config.block_size, self.state_pool)
+        self.tiers: KVTierSet | None = None
+        if tiers:
+            if self.state_pool is not None:
+                raise ValueError("KV tiers do not hold recurrent state checkpoints: no tiers for this model")
+            self.tiers = KVTierSet(tiers, self.runner.kv_cache, background=tier_writer_thread)
+            self.block_manager.record_evictions = bool(self.tiers.evict_tiers)
+            self.block_manager.record_computed = bool(self.tiers.compute_tiers)
         self.scheduler = Scheduler(
             self.block_manager, SchedulerConfig(config.max_num_batched_tokens, config.max_num_seqs, max_len),
-            self.state_pool,
+            self.state_pool, self.tiers,
         )
-        self.runner = ModelRunner(model, config.num_blocks, config.block_size, self.state_pool)
         self.stop_token_ids = set(stop_token_ids)
         self.stats = EngineStats()
 
@@ -145,6 +167,7 @@ class LLMEngine:
         register its full blocks in the prefix cache."""
         seq.num_computed_tokens = num_tokens
         self.block_manager.cache_full_blocks(seq)
+        self._write_computed()
 
     def prefill_held(self, seq: Sequence) -> None:
         """Prefill a RESERVED sequence in its own blocks (a local prefill), then park it."""
@@ -189,6 +212,7 @@ class LLMEngine:
         out = self.scheduler.schedule()
         self.stats.num_preemptions += len(out.preempted)
         batch = out.scheduled
+        self.scheduler.write_down_evicted()  # growing running sequences may have evicted blocks
         if not batch:
             return []
         sends = self._planned_sends(batch)
@@ -224,6 +248,7 @@ class LLMEngine:
             self.stats.num_decode_tokens += n - in_prompt
             seq.num_computed_tokens += n
             self.block_manager.cache_full_blocks(seq)
+            self._write_computed()
             if seq.num_computed_tokens < len(seq):
                 continue  # a prefill chunk short of the prompt's end: nothing to sample
             token = argmax if seq.sampling.temperature == 0 else seq.sampler.sample(row)
@@ -243,6 +268,32 @@ class LLMEngine:
             appended = () if reason is FinishReason.STOP else (token,)
             results.append(StepOutput(seq, token, appended, reason, logprobs=logprobs))
         return results
+
+    def _write_computed(self) -> None:
+        if self.tiers is not None:
+            self.tiers.write_computed(self.block_manager.take_computed())
+
+    def take_kv_events(self) -> list[BlockStored | BlockRemoved | CheckpointStored | CheckpointRemoved]:
+        """KV cache events since the last call: the pool's (`BlockManager.take_events`), then the tiers'
+        (`KVTierSet.take_events`, labelled by tier), then a hybrid's state checkpoints'
+        (`StatePool.take_events`)."""
+        events: list[BlockStored | BlockRemoved | CheckpointStored | CheckpointRemoved] = [
+            *self.block_manager.take_events()]
+        if self.tiers is not None:
+            events += self.tiers.take_events()
+        if self.state_pool is not None:
+            events += self.state_pool.take_events()
+        return events
+
+    def flush_tiers(self) -> None:
+        """Wait until every block written down so far is stored in its tiers (no-op without tiers)."""
+        if self.tiers is not None:
+            self.tiers.flush()
+
+    def close(self) -> None:
+        """Store pending tier writes and stop the tier writer thread (idempotent)."""
+        if self.tiers is not None:
+            self.tiers.close()
 
     def _planned_sends(self, batch: list[ScheduledSeq]) -> list[tuple[Sequence, int, torch.Tensor]]:
         """For sequences streaming KV: the positions each sends this step (`num_sent_tokens` up to the end

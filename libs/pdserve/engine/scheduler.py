@@ -10,6 +10,11 @@ front of the queue, to be prefilled again (prompt + output so far) when blocks f
 A model with recurrent state (a hybrid) also needs a state slot per sequence (`state_pool.StatePool`):
 admission takes one beside the blocks (and resumes from the longest state checkpoint within the KV prefix
 hit); preemption and `release` give both back.
+
+With KV tiers below the pool (`kv_tiers.KVTierSet`), admission continues a pool prefix hit into the tiers:
+the blocks the allocation evicted are written down first (their KV still in place), then the leading
+blocks after the pool hit that a tier holds are copied back into the sequence's new blocks and registered
+as cached, so its prefill starts after them.
 """
 
 from __future__ import annotations
@@ -19,6 +24,7 @@ from dataclasses import dataclass
 from typing import NamedTuple
 
 from pdserve.engine.block_manager import BlockManager
+from pdserve.engine.kv_tiers.tier_set import KVTierSet
 from pdserve.engine.sequence import Sequence, SequenceStatus
 from pdserve.engine.state_pool import NoFreeStateSlots, StatePool
 
@@ -54,12 +60,17 @@ class Scheduler:
     with recurrent state, state slots from `state_pool`."""
 
     def __init__(
-        self, block_manager: BlockManager, config: SchedulerConfig, state_pool: StatePool | None = None
+        self, block_manager: BlockManager, config: SchedulerConfig, state_pool: StatePool | None = None,
+        tiers: KVTierSet | None = None,
     ) -> None:
         if config.max_num_batched_tokens < 1 or config.max_num_seqs < 1:
             raise ValueError(f"budgets must be positive: {config}")
+        if tiers is not None and state_pool is not None:
+            raise ValueError("KV tiers do not hold recurrent state checkpoints: no tiers for a model "
+                             "with state")
         self.block_manager = block_manager
         self.state_pool = state_pool
+        self.tiers = tiers
         self.config = config
         self.waiting: deque[Sequence] = deque()
         self.running: list[Sequence] = []
@@ -91,8 +102,28 @@ class Scheduler:
         if self.state_pool is not None and not self.state_pool.can_allocate():
             raise NoFreeStateSlots(f"{seq.request_id}: no free state slot")
         self.block_manager.allocate(seq, use_prefix_cache=use_prefix_cache)
+        if self.tiers is not None:
+            self.write_down_evicted()
+            if use_prefix_cache:
+                self._load_from_tiers(seq)
         if self.state_pool is not None:
             self.state_pool.allocate(seq, resume=resume_state and use_prefix_cache)
+
+    def write_down_evicted(self) -> None:
+        """Hand the blocks evicted since the last call to the tiers (snapshotted now, before anything
+        writes into them); called after every allocation, before the forward or a transfer."""
+        if self.tiers is not None:
+            self.tiers.write_down(self.block_manager.take_evicted())
+
+    def _load_from_tiers(self, seq: Sequence) -> None:
+        assert self.tiers is not None
+        bm = self.block_manager
+        start, limit = len(seq.block_hashes), bm.hit_limit(seq)
+        if start >= limit:
+            return
+        hashes = bm.chain_hashes(seq, limit)[start:]
+        loaded = self.tiers.load(hashes, seq.block_table[start:limit])
+        bm.register_loaded(seq, loaded)
 
     def release(self, seq: Sequence) -> None:
         """Free what `seq` holds: its blocks and its state slot (idempotent)."""
@@ -178,6 +209,7 @@ class Scheduler:
         self.release(seq)
         seq.num_computed_tokens = 0
         seq.num_cached_tokens = 0
+        seq.cached_tokens_by_tier = {}
         seq.num_checkpoint_tokens = 0
         seq.num_preemptions += 1
         seq.status = SequenceStatus.WAITING

@@ -30,7 +30,9 @@ class Sequence:
 
     `num_computed_tokens`: leading tokens whose KV is in this worker's blocks (computed here, hit in the
     prefix cache, or received) and, for a model with recurrent state, folded into its state.
-    `num_cached_tokens`: how many tokens' KV came from the prefix cache at the last allocation.
+    `num_cached_tokens`: how many tokens' KV came from the prefix cache at the last allocation;
+    `cached_tokens_by_tier`: the same split by where it came from ("pool", or a tier below it such as
+    "offload": `engine/kv_tiers`), summing to num_cached_tokens.
     `num_checkpoint_tokens`: for a model with recurrent state (`state_pool`), the length of the state
     checkpoint it resumed from at that allocation (<= num_cached_tokens: compute restarts there, the KV of
     the tokens between being held already), else 0; `state_slot`: its slot in the state pool while it
@@ -63,6 +65,7 @@ class Sequence:
         self.arrival = next(_arrival)
         self.num_computed_tokens = 0
         self.num_cached_tokens = 0
+        self.cached_tokens_by_tier: dict[str, int] = {}  # num_cached_tokens by where they came from
         self.num_checkpoint_tokens = 0
         self.state_slot: int | None = None
         self.block_table: list[int] = []

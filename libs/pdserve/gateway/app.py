@@ -4,7 +4,8 @@ Routes: POST /v1/completions, POST /v1/chat/completions (stream or not), GET /v1
 GET /v1/requests/{request_id} (a request's lifecycle from the event store), GET
 /v1/requests/{request_id}/stream (resume an SSE stream after `Last-Event-ID`), GET /health, GET /metrics.
 Every /v1 route takes OpenAI's `Authorization: Bearer <key>` when keys are required
-(`pdserve.gateway.keys`); /health, /metrics and /openapi.json are open. Build it with
+(`pdserve.gateway.keys`), and then counts against the key's rate limit (`pdserve.gateway.rate_limits`);
+/health, /metrics and /openapi.json are open. Build it with
 `create_app(bus, tokenizer, settings, db)`; the service (`pdserve.services.gateway`) serves it with
 uvicorn.
 """
@@ -28,6 +29,7 @@ from pdserve.gateway.keys import KeyCheck, keys_required
 from pdserve.gateway.lifecycle_read import Answered, read_lifecycle
 from pdserve.gateway.openapi import document_bodies
 from pdserve.gateway.prompt import Tokenizer
+from pdserve.gateway.rate_limits import RateLimits
 from pdserve.gateway.serving import CHAT, COMPLETIONS, generate, resume
 
 
@@ -53,11 +55,16 @@ def create_app(bus: Bus, tokenizer: Tokenizer, settings: GatewaySettings,
     install_error_handlers(app)
     required = keys_required(settings.api_keys, settings.host)
     keys = KeyCheck(db, settings.api_key_cache_s) if required else None
+    rate_limits = RateLimits()
 
     async def authorized(request: Request) -> None:
-        """Every /v1 route: 401 unless `Authorization: Bearer <live key>` when keys are required."""
+        """Every /v1 route: 401 unless `Authorization: Bearer <live key>` when keys are required, then 429
+        when that key's rate limit is reached; the key (`request.state.api_key`) also bounds the body."""
+        request.state.api_key = None
         if keys is not None:
-            await keys.check(request.headers.get("authorization"))
+            key = await keys.check(request.headers.get("authorization"))
+            request.state.api_key = key
+            rate_limits.admit(key)
 
     v1 = [Depends(authorized)]
 

@@ -21,6 +21,7 @@ from pydantic import ValidationError
 from pdserve.gateway.choices import CHOICE_REQUEST_IDS_HEADER, Choices, choice_seed
 from pdserve.gateway.errors import REQUEST_ID_HEADER, APIError, api_error_from_validation, invalid_request
 from pdserve.gateway.generation import ClientDisconnected, Generation
+from pdserve.gateway.keys import ApiKey
 from pdserve.gateway.lifecycle_read import parse_request_id
 from pdserve.gateway.observe import RequestObserver
 from pdserve.gateway.prompt import PreparedRequest, Tokenizer, check_model, prepare_chat, prepare_completion
@@ -58,7 +59,8 @@ async def generate(request: Request, endpoint: Endpoint) -> Response:
     """Answer one generation request (`n` choices: `pdserve.gateway.choices`), as SSE or JSON."""
     received_ts, received_monotonic = time.time(), time.monotonic()
     state: GatewayState = request.app.state.gateway
-    req = await parse(request, endpoint, state.settings.max_body_bytes)
+    key = getattr(request.state, "api_key", None)
+    req = await parse(request, endpoint, state.settings.max_body_bytes, key)
     model = state.settings.served_model_name
     check_model(req.model, model)
     await state.capacity.ensure_listening()
@@ -150,16 +152,20 @@ def token_text(tokenizer: Tokenizer, prepared: PreparedRequest) -> Callable[[int
     return lambda token_id: tokenizer.decode([token_id])
 
 
-async def parse(request: Request, endpoint: Endpoint,
-                max_body_bytes: int) -> CompletionRequest | ChatCompletionRequest:
+async def parse(request: Request, endpoint: Endpoint, max_body_bytes: int,
+                key: ApiKey | None = None) -> CompletionRequest | ChatCompletionRequest:
     """The request body as the endpoint's model. The body is read as JSON whatever its content type
-    (curl's default form type included); over `max_body_bytes` it is a 413, a syntax error, a non-object,
-    text that is no valid Unicode or a field error is a 400."""
+    (curl's default form type included); over `max_body_bytes`, or over the API key's own
+    `max_request_bytes` when smaller, it is a 413, a syntax error, a non-object, text that is no valid
+    Unicode or a field error is a 400."""
+    limit, whose = max_body_bytes, ""
+    if key is not None and key.limits.max_request_bytes is not None and key.limits.max_request_bytes < limit:
+        limit, whose = key.limits.max_request_bytes, f" (the limit of API key {key.name!r})"
     raw = bytearray()
     async for part in request.stream():
         raw += part
-        if len(raw) > max_body_bytes:
-            raise APIError(413, f"The request body exceeds {max_body_bytes} bytes.", code="request_too_large")
+        if len(raw) > limit:
+            raise APIError(413, f"The request body exceeds {limit} bytes{whose}.", code="request_too_large")
     try:
         body = json.loads(raw)
     except (json.JSONDecodeError, UnicodeDecodeError, RecursionError) as e:

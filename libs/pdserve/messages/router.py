@@ -31,6 +31,8 @@ class CandidateCost(Message):
     active_decode_blocks: int = 0
     checkpoint_blocks: int = Field(0, description="A hybrid's longest state checkpoint within the KV hit, "
                                    "in blocks (0 without one, or for a model without state).")
+    cached_blocks_by_tier: dict[str, int] = Field(
+        default_factory=dict, description="cached_blocks by the tier holding them ('pool', 'offload', ...).")
 
 
 class RouteOutcome(BaseModel):

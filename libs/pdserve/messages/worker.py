@@ -76,13 +76,17 @@ class PrefillOutcome(BaseModel):
     ended; the reply: once every send was delivered); `prefill_s` seconds of compute. For a model with
     recurrent state: the prefill resumed from a state checkpoint of `num_checkpoint_tokens` tokens (<=
     `num_cached_tokens`; it computed prompt - num_checkpoint_tokens tokens), and `state_bytes` of state
-    follow the KV (0 without state, or for a local prefill)."""
+    follow the KV (0 without state, or for a local prefill). `cached_tokens_by_tier`: num_cached_tokens
+    split by where the KV came from — "pool" (the prefill worker's paged pool) or a tier below it
+    ("offload", ...: engine/kv_tiers) — summing to num_cached_tokens; empty in events recorded before the
+    field existed, and when nothing was cached."""
 
     model_config = ConfigDict(frozen=True)
 
     transfer_id: str
     first_token_id: int
     num_cached_tokens: int
+    cached_tokens_by_tier: dict[str, int] = Field(default_factory=dict)
     num_computed_tokens: int
     kv_bytes: int
     prefill_s: float

@@ -27,6 +27,10 @@ A hybrid model's workers also publish their recurrent-state checkpoints (`Checkp
 `CheckpointRemoved`, under the chained hash of the block ending at the checkpoint): the index keeps each
 worker's set of them, wiped with its blocks, and `checkpoint_blocks` finds the longest one within a KV
 hit — where that worker's prefill would resume (`engine/state_pool.py: StatePool.find_checkpoint`).
+Tiers below the pool (issue 16, `engine/kv_tiers`): events labelled with another `tier` than "pool" (a
+worker's "offload" tier) are kept per worker and tier beside the pool's hashes, outside the digest (which
+covers the pool only), and wiped with the worker on a gap or a restart. `overlaps_by_tier` walks the
+leading run through every tier, each block counted once at the best tier holding it (`TIER_RANK`).
 """
 
 from __future__ import annotations
@@ -45,6 +49,11 @@ from pdserve.messages import (
     KVEvents,
 )
 
+POOL = "pool"
+# A block is counted at the first of these that holds it: cheapest to use first (the pool: nothing to copy;
+# a worker's own offload tier: a host copy; its disk tier; the shared store: a network read).
+TIER_RANK = (POOL, "offload", "disk", "store")
+
 
 @dataclass
 class WorkerBlocks:
@@ -59,6 +68,7 @@ class WorkerBlocks:
     last_heard: float = 0.0
     digest_ahead: int | None = None  # seq of a digest that arrived before its batches
     checkpoints: set[int] = field(default_factory=set)  # block hashes a state checkpoint is stored under
+    tiers: dict[str, set[int]] = field(default_factory=dict)  # tier below the pool → hashes it holds
 
 
 class KVIndex:
@@ -95,6 +105,7 @@ class KVIndex:
         w.hashes = set()
         w.xor_hashes = 0
         w.checkpoints = set()
+        w.tiers = {}
 
     def _store(self, w: WorkerBlocks, hashes: Iterable[int]) -> None:
         bit = 1 << w.slot
@@ -132,7 +143,13 @@ class KVIndex:
             w.partial = True
         w.last_seq = batch.seq
         for ev in batch.events:
-            if isinstance(ev, BlockStored):
+            if isinstance(ev, BlockStored | BlockRemoved) and ev.tier != POOL:
+                held = w.tiers.setdefault(ev.tier, set())
+                if isinstance(ev, BlockStored):
+                    held.update(ev.block_hashes)
+                else:
+                    held.difference_update(ev.block_hashes)
+            elif isinstance(ev, BlockStored):
                 self._store(w, ev.block_hashes)
             elif isinstance(ev, BlockRemoved):
                 self._remove(w, ev.block_hashes)
@@ -233,6 +250,27 @@ class KVIndex:
         """State checkpoints indexed for one worker."""
         w = self._workers.get(worker_id)
         return len(w.checkpoints) if w else 0
+    def overlaps_by_tier(self, block_hashes: Sequence[int], worker_id: str) -> dict[str, int]:
+        """How many of `block_hashes`' leading run `worker_id` holds, split by tier: each block counted at
+        the best tier holding it (`TIER_RANK`: its pool, then the tiers below), the run ending at the first
+        block no tier holds. {} for an unknown worker or no hit; the values sum to the run's length."""
+        w = self._workers.get(worker_id)
+        out: dict[str, int] = {}
+        if w is None:
+            return out
+        ranked = [(POOL, w.hashes)] + sorted(
+            w.tiers.items(), key=lambda kv: TIER_RANK.index(kv[0]) if kv[0] in TIER_RANK else len(TIER_RANK))
+        for h in block_hashes:
+            tier = next((name for name, held in ranked if h in held), None)
+            if tier is None:
+                break
+            out[tier] = out.get(tier, 0) + 1
+        return out
+
+    def num_tier_blocks(self, worker_id: str, tier: str) -> int:
+        """Blocks indexed for one worker's tier below the pool ("offload", ...)."""
+        w = self._workers.get(worker_id)
+        return len(w.tiers.get(tier, ())) if w else 0
 
     def num_blocks(self, worker_id: str | None = None) -> int:
         """Blocks indexed for one worker, or distinct hashes over all workers."""

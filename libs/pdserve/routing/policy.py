@@ -28,6 +28,16 @@ to the most cached blocks, then the fewest active requests, then the smallest r;
 the worker is sampled by softmax over the costs normalised to [0, 1] (min-max), logits −cost/temperature,
 as Dynamo's `--router-temperature` does. `round_robin`, `least_loaded` and `random` are the comparison
 baselines (Dynamo's `--router-mode round-robin|random`).
+
+Tiers (issue 16): a cached block need not be in the worker's pool; it may be in a tier below it (its
+offload tier, or the shared store) and be copied back instead of computed. In `kv`'s cost the cached
+blocks are then weighed by what using them saves: a block in tier t counts
+
+    weight_t = max(0, 1 − copy_s_per_token_t / prefill_s_per_token)
+
+of an uncached block (the pool's weight is 1: nothing to copy), so a pool block counts more than an offload
+block, which counts more than a store-only block whenever the copies cost in that order (`tier_weights`,
+from `RouterSettings`: configured, defaults measured by benchmarks/kv_tiers.py).
 """
 
 from __future__ import annotations
@@ -35,8 +45,8 @@ from __future__ import annotations
 import math
 import random
 from abc import ABC, abstractmethod
-from collections.abc import Sequence
-from dataclasses import dataclass
+from collections.abc import Mapping, Sequence
+from dataclasses import dataclass, field
 from typing import ClassVar
 
 from pdserve.config import PolicyName, RouterSettings
@@ -56,7 +66,9 @@ class Candidate:
     weighted count of recent routing decisions (`ActiveLoad.recent_requests`), the stable load.
     `checkpoint_blocks`: for a model with recurrent state (a hybrid), the longest state checkpoint the
     worker holds within its KV hit (<= `cached_blocks`): its prefill resumes there, so only that much of
-    the hit saves compute; None for a model without state (the whole KV hit is usable)."""
+    the hit saves compute; None for a model without state (the whole KV hit is usable).
+    `cached_blocks_by_tier`: cached_blocks split by the tier holding each block ("pool", "offload", ...:
+    `KVIndex.overlaps_by_tier`); empty means all in the pool."""
 
     worker_id: str
     role: Role
@@ -68,6 +80,7 @@ class Candidate:
     kv_usage: float
     recent_requests: float = 0.0
     checkpoint_blocks: int | None = None
+    cached_blocks_by_tier: Mapping[str, int] = field(default_factory=dict)
 
     @property
     def usable_blocks(self) -> int:
@@ -78,6 +91,14 @@ class Candidate:
     def uncached_blocks(self) -> int:
         """Blocks the prefill computes (prompt − usable hit)."""
         return max(self.prompt_blocks - self.usable_blocks, 0)
+
+    def weighted_cached_blocks(self, tier_weights: Mapping[str, float]) -> float:
+        """Σ over tiers of weight_t · blocks held there (a tier without a weight counts 0); the pool's
+        weight is 1 unless given. Without a split, all cached blocks count as the pool's."""
+        if not self.cached_blocks_by_tier:
+            return float(self.cached_blocks)
+        return sum(n * (tier_weights.get(t, 1.0 if t == "pool" else 0.0))
+                   for t, n in self.cached_blocks_by_tier.items())
 
     def cost_record(self, score: float) -> CandidateCost:
         """The candidate as recorded in `RouteDecision.candidates`, with the policy's `score` as cost."""
@@ -92,6 +113,7 @@ class Candidate:
             active_prefill_blocks=self.active_prefill_blocks,
             active_decode_blocks=self.active_decode_blocks,
             checkpoint_blocks=self.checkpoint_blocks or 0,
+            cached_blocks_by_tier=dict(self.cached_blocks_by_tier),
         )
 
 
@@ -123,7 +145,8 @@ class KVCost(RoutingPolicy):
     ≥ 0: how much a queued prefill block counts against an uncached one of this request (Dynamo: 1).
     `balance_weight` ≥ 0: β of the stable load term (0 = off). `balance_abs_threshold`,
     `balance_rel_threshold`: the imbalance guard. `temperature` ≥ 0: 0 is deterministic (Dynamo's
-    default), higher spreads more. `seed` makes the sampling repeatable."""
+    default), higher spreads more. `seed` makes the sampling repeatable. `tier_weights`: what a cached
+    block in each tier counts (module docstring; default: every tier 1, the pool-only cost)."""
 
     name = "kv"
 
@@ -136,9 +159,11 @@ class KVCost(RoutingPolicy):
         balance_weight: float = 0.0,
         balance_abs_threshold: int = 64,
         balance_rel_threshold: float = 1.5,
+        tier_weights: Mapping[str, float] | None = None,
     ) -> None:
         if min(overlap_score_weight, temperature, active_prefill_weight, balance_weight) < 0:
             raise ValueError("weights and temperature must be ≥ 0")
+        self.tier_weights = dict(tier_weights or {})
         self.overlap_score_weight = overlap_score_weight
         self.temperature = temperature
         self.active_prefill_weight = active_prefill_weight
@@ -152,11 +177,17 @@ class KVCost(RoutingPolicy):
         mean_r = sum(c.recent_requests for c in candidates) / len(candidates)
         norm = max(1.0, mean_r)
         return [
-            w * (c.uncached_blocks + q * c.active_prefill_blocks)
+            w * (max(c.prompt_blocks - self._cached(c), 0.0) + q * c.active_prefill_blocks)
             + c.active_decode_blocks
             + beta * c.prompt_blocks * (c.recent_requests - mean_r) / norm
             for c in candidates
         ]
+
+    def _cached(self, c: Candidate) -> float:
+        weights = self.tier_weights
+        cached = c.weighted_cached_blocks(weights) if weights else float(c.cached_blocks)
+        # A hybrid's prefill resumes from its checkpoint: no more of the hit than that saves compute
+        return cached if c.checkpoint_blocks is None else min(cached, float(c.checkpoint_blocks))
 
     def imbalanced(self, candidates: Sequence[Candidate]) -> bool:
         """SGLang's test: max − min active requests > abs threshold and max > rel threshold · min."""
@@ -184,6 +215,15 @@ class KVCost(RoutingPolicy):
                 candidates[i].recent_requests,
             ),
         )
+
+
+def tier_weights(settings: RouterSettings) -> dict[str, float]:
+    """What a cached block counts in each tier: 1 in the pool, max(0, 1 − copy_s_per_token /
+    prefill_s_per_token) below it (module docstring; `RouterSettings` gives the costs)."""
+    p = settings.prefill_s_per_token
+    copy = {"offload": settings.offload_copy_s_per_token, "disk": settings.disk_copy_s_per_token,
+            "store": settings.store_copy_s_per_token}
+    return {"pool": 1.0} | {t: max(0.0, 1.0 - c / p) for t, c in copy.items()}
 
 
 def softmax_sample(costs: Sequence[float], temperature: float, rng: random.Random) -> int:
@@ -257,6 +297,7 @@ def make_policy(name: str, settings: RouterSettings | None = None) -> RoutingPol
             balance_weight=st.balance_weight,
             balance_abs_threshold=st.balance_abs_threshold,
             balance_rel_threshold=st.balance_rel_threshold,
+            tier_weights=tier_weights(st),
         )
     if name == "round_robin":
         return RoundRobin()

@@ -11,6 +11,9 @@ Load = requests routed per replica and the mean `active_requests` the candidates
 A hybrid's hit is a pair (docs/architecture.md §12): beside the KV hit L (`num_cached_tokens`) each
 request has the state checkpoint C <= L its prefill resumed from (`PrefillCompleted.num_checkpoint_tokens`,
 predicted as `RequestRouted.predicted_checkpoint_tokens`); it computed prompt − C. Llama's C is its L.
+Tiers (issue 16): the cached tokens are split by where their KV came from (`PrefillCompleted.
+cached_tokens_by_tier`: "pool", "offload", ...; events recorded before that field count as "pool"), so the
+hit rate is reported per tier beside the ceiling (which counts a block in any tier of any candidate).
 """
 
 from __future__ import annotations
@@ -19,6 +22,7 @@ from collections.abc import Iterable, Sequence
 from dataclasses import dataclass, field
 
 from pdserve.events import Event
+from pdserve.routing.kv_index import TIER_RANK
 
 
 @dataclass
@@ -42,6 +46,24 @@ class RoutedRequest:
     predicted_checkpoint_tokens: int = 0
     actual_checkpoint_tokens: int | None = None  # a hybrid's C (None: not prefilled yet, or no state)
     computed_tokens: int | None = None
+    cached_tokens_by_tier: dict[str, int] = field(default_factory=dict)
+
+
+def _by_tier(payload: dict) -> dict[str, int]:
+    by_tier = {k: int(v) for k, v in (payload.get("cached_tokens_by_tier") or {}).items() if v}
+    cached = int(payload["num_cached_tokens"])
+    if not by_tier and cached:
+        by_tier = {"pool": cached}  # recorded before tiers existed: the pool was the only one
+    return by_tier
+
+
+def _sum_tiers(rows: Iterable[dict[str, int]]) -> dict[str, int]:
+    out: dict[str, int] = {}
+    for row in rows:
+        for k, v in row.items():
+            out[k] = out.get(k, 0) + v
+    rank = {t: i for i, t in enumerate(TIER_RANK)}
+    return dict(sorted(out.items(), key=lambda kv: (rank.get(kv[0], len(rank)), kv[0])))  # pool first
 
 
 def fold_routed(events: Iterable[Event]) -> list[RoutedRequest]:
@@ -49,7 +71,7 @@ def fold_routed(events: Iterable[Event]) -> list[RoutedRequest]:
     The last route and the last prefill of a request count (a retried prefill replaces the first)."""
     received: dict[str, int] = {}
     routed: dict[str, RoutedRequest] = {}
-    prefilled: dict[str, tuple[int, int, float, int]] = {}
+    prefilled: dict[str, tuple[int, int, float, int, dict[str, int]]] = {}
     for e in events:
         p = e.payload
         if e.type == "RequestReceived":
@@ -76,11 +98,13 @@ def fold_routed(events: Iterable[Event]) -> list[RoutedRequest]:
                 int(p["num_computed_tokens"]),
                 float(p.get("prefill_s", 0.0)),
                 int(p.get("num_checkpoint_tokens", 0)),
+                _by_tier(p),
             )
     for rid, r in routed.items():
         if rid in prefilled:
-            cached, computed, prefill_s, checkpoint = prefilled[rid]
+            cached, computed, prefill_s, checkpoint, by_tier = prefilled[rid]
             r.actual_cached_tokens, r.prefill_s, r.computed_tokens = cached, prefill_s, computed
+            r.cached_tokens_by_tier = by_tier
             r.prompt_tokens = received.get(rid, cached + computed)
             # A hybrid computed prompt − C (C <= L); one whose C and L are both 0 reads as a model without
             # state, and counts nothing either way.
@@ -100,10 +124,18 @@ class ReplicaStats:
     ceiling_tokens: int
     mean_active_requests: float
     checkpoint_tokens: int = 0  # a hybrid's: prompt tokens its prefills resumed past (sum of C)
+    cached_tokens_by_tier: dict[str, int] = field(default_factory=dict)
 
     @property
     def hit_rate(self) -> float:
         return self.cached_tokens / self.prompt_tokens if self.prompt_tokens else 0.0
+
+    @property
+    def hit_rate_by_tier(self) -> dict[str, float]:
+        """Cached tokens from each tier / prompt tokens; the values sum to `hit_rate`."""
+        if not self.prompt_tokens:
+            return {}
+        return {t: n / self.prompt_tokens for t, n in self.cached_tokens_by_tier.items()}
 
     @property
     def ceiling_hit_rate(self) -> float:
@@ -129,10 +161,18 @@ class RoutingReport:
     checkpoint_tokens: int = 0  # their sum of C
     hybrid_cached_tokens: int = 0  # their sum of L
     checkpoint_prediction_exact: float = 1.0
+    cached_tokens_by_tier: dict[str, int] = field(default_factory=dict)
 
     @property
     def hit_rate(self) -> float:
         return self.cached_tokens / self.prompt_tokens if self.prompt_tokens else 0.0
+
+    @property
+    def hit_rate_by_tier(self) -> dict[str, float]:
+        """Cached tokens from each tier ("pool", "offload", ...) / prompt tokens; sums to `hit_rate`."""
+        if not self.prompt_tokens:
+            return {}
+        return {t: n / self.prompt_tokens for t, n in self.cached_tokens_by_tier.items()}
 
     @property
     def ceiling_hit_rate(self) -> float:
@@ -171,6 +211,7 @@ def summarize(requests: Sequence[RoutedRequest]) -> RoutingReport:
             ceiling_tokens=sum(r.best_cached_tokens for r in rs),
             mean_active_requests=sum(active.get(wid, [0])) / max(len(active.get(wid, [])), 1),
             checkpoint_tokens=sum(r.actual_checkpoint_tokens or 0 for r in rs),
+            cached_tokens_by_tier=_sum_tiers(r.cached_tokens_by_tier for r in rs),
         )
         for wid, rs in sorted(replicas.items())
     )
@@ -200,4 +241,5 @@ def summarize(requests: Sequence[RoutedRequest]) -> RoutingReport:
         checkpoint_prediction_exact=(
             sum(r.predicted_checkpoint_tokens == r.actual_checkpoint_tokens for r in hybrid) / len(hybrid)
             if hybrid else 1.0),
+        cached_tokens_by_tier=_sum_tiers(r.cached_tokens_by_tier for r in done),
     )

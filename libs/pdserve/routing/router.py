@@ -117,7 +117,8 @@ class Placer:
         desc = state.heartbeat.descriptor
         wid = state.heartbeat.worker_id
         max_hit = max(num_tokens - 1, 0) // desc.block_size
-        cached = min(self.index.overlaps(hashes[:max_hit], (wid,))[wid], max_hit)
+        by_tier = self.index.overlaps_by_tier(hashes[:max_hit], wid)
+        cached = sum(by_tier.values())
         prompt_blocks = _ceil_div(num_tokens, desc.block_size)
         # A hybrid resumes from its longest state checkpoint within the KV hit (the usable hit)
         checkpoint = self.index.checkpoint_blocks(hashes, wid, cached) if desc.state_layout else None
@@ -132,6 +133,7 @@ class Placer:
             kv_usage=state.kv_usage,
             recent_requests=self.load.recent_requests(wid),
             checkpoint_blocks=checkpoint,
+            cached_blocks_by_tier=by_tier,
         )
 
     def route(self, req: RouteRequest, block_hashes: Sequence[int] | None = None) -> RouteDecision:

@@ -101,3 +101,31 @@ def upgrade(url: str, revision: str = "head") -> None:
 def downgrade(url: str, revision: str = "base") -> None:
     """Migrate the database at `url` down to `revision` (default: empty)."""
     _in_thread(lambda: command.downgrade(alembic_config(url), revision))
+
+
+def head_revision() -> str:
+    """The newest revision of `migrations/` (what `upgrade` migrates to)."""
+    from alembic.script import ScriptDirectory
+
+    head = ScriptDirectory.from_config(alembic_config("")).get_current_head()
+    assert head is not None, "migrations/ holds no revision"
+    return head
+
+
+def current_revision(url: str) -> str | None:
+    """The revision the database at `url` is at; None when it has no `alembic_version` yet. Reads only
+    (any service role may: migration 0004 grants SELECT on it). Raises `sqlalchemy.exc.DBAPIError` /
+    `OSError` when the server refuses or cannot be reached."""
+
+    async def read() -> str | None:
+        db = create_async_engine(url, poolclass=NullPool)
+        try:
+            async with db.connect() as conn:
+                exists = await conn.scalar(sa.text("SELECT to_regclass('alembic_version') IS NOT NULL"))
+                if not exists:
+                    return None
+                return await conn.scalar(sa.text("SELECT version_num FROM alembic_version"))
+        finally:
+            await db.dispose()
+
+    return _run(read)

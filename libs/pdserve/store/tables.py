@@ -51,7 +51,7 @@ requests = sa.Table(
     sa.Column("cached_tokens", sa.Integer),
     sa.Column("computed_tokens", sa.Integer),
     sa.Column("kv_bytes", sa.BigInteger),
-    # A hybrid's hit pair (migration 0005): the checkpoint C the prefill resumed from (cached_tokens is L),
+    # A hybrid's hit pair (migration 0006): the checkpoint C the prefill resumed from (cached_tokens is L),
     # the router's prediction of both, and the state bytes handed off apart from kv_bytes.
     sa.Column("checkpoint_tokens", sa.Integer),
     sa.Column("predicted_cached_tokens", sa.Integer),

@@ -43,7 +43,8 @@ KV_CACHE_USAGE_PERC = Gauge(
 PREFIX_CACHE_QUERIES = Counter(
     "pdserve:prefix_cache_queries", "Prompt tokens looked up in the prefix cache.", WORKER)
 PREFIX_CACHE_HITS = Counter(
-    "pdserve:prefix_cache_hits", "Prompt tokens found in the prefix cache.", WORKER)
+    "pdserve:prefix_cache_hits", "Prompt tokens found in the prefix cache, by the tier they came from: "
+    "'pool' (the paged pool) or a tier below it ('offload', ...: engine/kv_tiers).", ("worker_id", "tier"))
 
 # ---------------------------------------------------------------- request latencies (per model)
 TIME_TO_FIRST_TOKEN_SECONDS = Histogram(
@@ -106,12 +107,14 @@ EVENTS_RECORDER_LAG_SECONDS = Gauge(
     "pdserve:events_recorder_lag_seconds", "Age of the newest event the recorder has committed, seconds.")
 
 
-def init_worker_series(worker_id: str, receives_kv: bool) -> None:
+def init_worker_series(worker_id: str, receives_kv: bool, tiers: tuple[str, ...] = ("pool",)) -> None:
     """Create a worker's labelled series at 0, so a dashboard shows "none yet" rather than nothing (a
-    labelled series exists only once touched). `receives_kv`: a decode or unified worker."""
-    for family in (PREFIX_CACHE_QUERIES, PREFIX_CACHE_HITS, NUM_REQUESTS_RUNNING, NUM_REQUESTS_WAITING,
-                   KV_CACHE_USAGE_PERC):
+    labelled series exists only once touched). `receives_kv`: a decode or unified worker; `tiers`: the
+    prefix-cache tiers it hits from ("pool", then those below it)."""
+    for family in (PREFIX_CACHE_QUERIES, NUM_REQUESTS_RUNNING, NUM_REQUESTS_WAITING, KV_CACHE_USAGE_PERC):
         family.labels(worker_id=worker_id)
+    for tier in tiers:
+        PREFIX_CACHE_HITS.labels(worker_id=worker_id, tier=tier)
     if receives_kv:
         for family in (CHECKSUM_FAILURES, KV_TRANSFER_BYTES, KV_TRANSFER_SECONDS):
             family.labels(worker_id=worker_id)

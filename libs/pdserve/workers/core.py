@@ -23,6 +23,7 @@ from pdserve.telemetry import metrics
 from pdserve.transfer.base import KVTransport
 from pdserve.workers.engine_loop import EngineLoop
 from pdserve.workers.kv_events import KVEventPublisher
+from pdserve.workers.kv_tiers import build_tiers
 from pdserve.workers.reserved_kv import ReservedKV, ReservedKVTable
 
 
@@ -49,7 +50,10 @@ class WorkerCore:
                 checkpoint_interval=settings.checkpoint_interval,
             ),
             loaded.tokenizer.stop_token_ids,
+            tiers=build_tiers(settings),
         )
+        # every label cached_tokens_by_tier can carry here: the pool, then the tiers below it
+        self.tier_names = ["pool"] + [t.name for t in (self.engine.tiers.tiers if self.engine.tiers else [])]
         self.reserved = ReservedKVTable()
         # request id → transfer id of the newest reserve command for it: a later reserve supersedes an
         # earlier one still waiting for the engine (the coordinator gave up on that one's reply)
@@ -57,7 +61,7 @@ class WorkerCore:
         self.prefilling: dict[str, Sequence] = {}  # prefill role: sequences computing for a decode worker
         self.compute = asyncio.Lock()  # one engine call at a time on this worker's core
         self.kv_events = KVEventPublisher(bus, self.worker_id, self.engine.block_manager,
-                                          self.engine.state_pool)
+                                          self.engine.take_kv_events)
         self.loop = EngineLoop(self.engine, self.compute, bus, self.worker_id,
                                commit_every_tokens=settings.commit_every_tokens,
                                after_step=self.kv_events.flush)
@@ -90,8 +94,10 @@ class WorkerCore:
         if held is not None:
             await self.free_reserved(held)
 
-    def count_prefix_cache(self, num_prompt_tokens: int, num_cached_tokens: int) -> None:
-        """One prefix cache lookup: `num_prompt_tokens` queried, `num_cached_tokens` found (vLLM's
-        prefix_cache_queries / prefix_cache_hits, in tokens)."""
+    def count_prefix_cache(self, num_prompt_tokens: int, cached_tokens_by_tier: dict[str, int]) -> None:
+        """One prefix cache lookup: `num_prompt_tokens` queried, the tokens found by the tier they came
+        from (`Sequence.cached_tokens_by_tier`: vLLM's prefix_cache_queries / prefix_cache_hits, in
+        tokens, hits labelled by tier)."""
         metrics.PREFIX_CACHE_QUERIES.labels(worker_id=self.worker_id).inc(num_prompt_tokens)
-        metrics.PREFIX_CACHE_HITS.labels(worker_id=self.worker_id).inc(num_cached_tokens)
+        for tier, tokens in cached_tokens_by_tier.items():
+            metrics.PREFIX_CACHE_HITS.labels(worker_id=self.worker_id, tier=tier).inc(tokens)

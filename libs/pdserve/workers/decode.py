@@ -82,7 +82,7 @@ class DecodeCommands:
             await core.free(seq)
             raise RejectedError(RejectCode.DUPLICATE, f"reserve {req.transfer_id} superseded by a newer one")
         if known:
-            core.count_prefix_cache(req.num_prompt_tokens, seq.num_cached_tokens)
+            core.count_prefix_cache(req.num_prompt_tokens, seq.cached_tokens_by_tier)
         held = ReservedKV(req.request_id, req.transfer_id, seq,
                           lease_deadline=time.monotonic() + req.lease_s)
         if core.transport is not None:

@@ -5,26 +5,30 @@ the router predicts the usable hit: the KV hit and the checkpoint the prefill ca
 from __future__ import annotations
 
 import time
+from collections.abc import Callable
 
 from pdserve.bus import Bus
 from pdserve.engine.block_manager import BlockManager
-from pdserve.engine.state_pool import StatePool
 from pdserve.messages import AllBlocksCleared, KVDigest, KVEvents
 from pdserve.messages.kv_events import KVEvent
 
 
 class KVEventPublisher:
     """Publishes batches of `BlockManager` events on `pds.kv.<worker_id>` with a `seq` that grows by one
-    per batch, and `KVDigest`s (block count + XOR of held hashes) on `pds.kvdigest.<worker_id>`. With a
-    `state_pool` (a hybrid), each batch also carries its checkpoint events, after the block events of the
-    same engine steps (the digest covers blocks only)."""
+    per batch, and `KVDigest`s (block count + XOR of held hashes) on `pds.kvdigest.<worker_id>`.
+    `take_events`: where the events come from (default the block manager's; a worker passes
+    `LLMEngine.take_kv_events`, which adds each KV tier's, labelled by tier, and a hybrid's state
+    checkpoint events). The digest covers the pool only: what the tiers and checkpoints hold is told by
+    their events alone."""
 
-    def __init__(self, bus: Bus, worker_id: str, block_manager: BlockManager,
-                 state_pool: StatePool | None = None) -> None:
+    def __init__(
+        self, bus: Bus, worker_id: str, block_manager: BlockManager,
+        take_events: Callable[[], list[KVEvent]] | None = None,
+    ) -> None:
         self.bus = bus
         self.worker_id = worker_id
         self.block_manager = block_manager
-        self.state_pool = state_pool
+        self.take_events = take_events or block_manager.take_events
         self.next_seq = 0
 
     async def cleared(self) -> None:
@@ -33,9 +37,7 @@ class KVEventPublisher:
 
     async def flush(self) -> None:
         """Publish whatever the block manager recorded since the last flush (nothing if empty)."""
-        events: list[KVEvent] = [*self.block_manager.take_events()]
-        if self.state_pool is not None:
-            events += self.state_pool.take_events()
+        events = self.take_events()
         if events:
             await self._publish(events)
 

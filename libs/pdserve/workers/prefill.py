@@ -116,6 +116,7 @@ class PrefillCommands:
             # What the event and the reply share; the event's kv_bytes are those sent so far.
             outcome = PrefillOutcome(
                 transfer_id=req.transfer_id, first_token_id=first_token, num_cached_tokens=cached,
+                cached_tokens_by_tier=dict(seq.cached_tokens_by_tier),
                 num_computed_tokens=num_prompt - resumed, prefill_s=prefill_s,
                 kv_bytes=outbound.kv_bytes if outbound is not None else 0, first_token_ts=first_token_ts,
                 num_checkpoint_tokens=seq.num_checkpoint_tokens,
@@ -125,7 +126,7 @@ class PrefillCommands:
             await core.bus.emit(req.request_id, completed, core.worker_id)
             span.set_attribute("pdserve.num_cached_tokens", cached)
             if outbound is not None:  # (a local prefill's cache lookup was counted at its reservation)
-                core.count_prefix_cache(num_prompt, cached)
+                core.count_prefix_cache(num_prompt, seq.cached_tokens_by_tier)
                 core.prefilling.pop(req.request_id, None)
                 # The reply's kv_bytes (and state_bytes): once every send is delivered.
                 kv_sent = outbound.complete(seq.num_chunks_sent)

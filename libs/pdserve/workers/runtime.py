@@ -42,7 +42,8 @@ def run_worker(default_role: Role,
             transport = make_transport(settings.kv_transport)
             await transport.start()
         worker = Worker(bus, settings, loaded, transport)
-        metrics.init_worker_series(settings.worker_id, receives_kv=settings.role is not Role.PREFILL)
+        metrics.init_worker_series(settings.worker_id, receives_kv=settings.role is not Role.PREFILL,
+                                   tiers=tuple(worker.core.tier_names))
         await worker.serve()
         tasks = [bus.spawn(worker.heartbeats.run()), bus.spawn(worker.core.loop.run())]
         log.info("%s serving %s as %s", settings.worker_id, loaded.name, settings.role)

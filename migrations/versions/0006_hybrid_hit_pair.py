@@ -3,8 +3,8 @@ keeps the state checkpoint the prefill resumed from (`checkpoint_tokens`, C, bes
 and the router's prediction of both (`predicted_cached_tokens`, `predicted_checkpoint_tokens`), and the
 state bytes the handoff carried (`state_bytes`, apart from `kv_bytes`). All null for rows folded before.
 
-Revision ID: 0005
-Revises: 0004
+Revision ID: 0006
+Revises: 0005
 Create Date: 2026-12-02
 """
 
@@ -15,8 +15,8 @@ from collections.abc import Sequence
 import sqlalchemy as sa
 from alembic import op
 
-revision: str = "0005"
-down_revision: str | None = "0004"
+revision: str = "0006"
+down_revision: str | None = "0005"
 branch_labels: str | Sequence[str] | None = None
 depends_on: str | Sequence[str] | None = None
 
