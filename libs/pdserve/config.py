@@ -286,6 +286,9 @@ class WorkerSettings(CommonSettings, ModelSettings):
     max_num_batched_tokens: int = Field(
         512, description="Tokens per engine step (decode tokens + prefill chunks): chunked-prefill budget.")
     max_num_seqs: int = Field(64, description="Sequences in one worker's running batch at most.")
+    checkpoint_interval: int = Field(
+        64, ge=0, description="A hybrid model's state checkpoint every this many tokens (a multiple of "
+        "block_size; 0 = none, so a prefix hit resumes nothing): the C of its (KV hit, checkpoint) pair.")
     kv_offload_blocks: int = Field(
         0, ge=0, description="Capacity in blocks of the worker's offload tier: host memory below the paged "
         "pool that keeps full cached blocks the pool evicts, LRU, checksummed "

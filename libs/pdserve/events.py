@@ -88,7 +88,10 @@ class PrefillCompleted(Payload, PrefillOutcome):
 class TransferCompleted(Payload):
     """The decode worker holds the whole transfer, verified: `kv_bytes` of paged KV over `num_layers` paged
     layers and, for a model with recurrent state, `state_bytes` of state (0 otherwise, and in events
-    recorded before the field existed); `transfer_s` from the reservation to the last chunk verified."""
+    recorded before the field existed); `transfer_s` from the reservation to the last chunk verified.
+    `kv_verified_ts` / `state_verified_ts`: UNIX seconds (decode worker's clock) when the KV half and the
+    state half were verified, so each one's tail after `PrefillCompleted` is read apart (0.0: no state, or
+    an event recorded before the fields existed)."""
 
     type: ClassVar[str] = "TransferCompleted"
     transfer_id: str
@@ -98,6 +101,8 @@ class TransferCompleted(Payload):
     transfer_s: float
     checksum_ok: bool
     state_bytes: int = 0
+    kv_verified_ts: float = 0.0
+    state_verified_ts: float = 0.0
 
 
 class ChecksumMismatch(Payload):

@@ -2,8 +2,10 @@
 (`tests.faults.corrupting_worker`, target `state`) flips one byte of a state chunk of every request's first
 handoff, after the checksum. The decode worker must detect it, never install that state, and fail the
 transfer (TRANSFER_FAILED); the coordinator's retry then goes through clean, and the text is the engine
-alone's, byte for byte. (The per-chunk detection rate is counted at the transport level, 60 of 60 trials:
-tests/integration/test_state_transfer.py.)"""
+alone's, byte for byte. The retry recomputes the state from the prefill worker's latest checkpoint of the
+prompt (the first attempt left its blocks and checkpoints cached there), not from token 0: a 100-token
+prompt's retry computes exactly 100 − 64 tokens. (The per-chunk detection rate is counted at the
+transport level, 60 of 60 trials: tests/integration/test_state_transfer.py.)"""
 
 from __future__ import annotations
 
@@ -27,6 +29,7 @@ pytestmark = [pytest.mark.faults, pytest.mark.stack]
 STACK_ENV = {EVERY_N_ENV: "4", TARGET_ENV: "state", "PDS_MAX_PREFILL_ATTEMPTS": "3"}
 PROMPTS = ["The capital of France is", "def fibonacci(n):", "Once upon a time, in a small village,"]
 MAX_TOKENS = 10
+BLOCK_SIZE, CHECKPOINT_INTERVAL = 16, 64  # the workers' defaults
 
 
 class StateFaultStack(Stack):
@@ -55,8 +58,10 @@ def stack(isolated_settings, tmp_path_factory, reference) -> Iterator[Stack]:
 
 def test_a_flipped_byte_in_the_state_is_detected_and_the_output_stays_identical(stack, reference) -> None:
     loaded, model = reference
-    for prompt in PROMPTS:
-        expected = oracle.greedy(model, loaded.tokenizer.encode(prompt), MAX_TOKENS)
+    long_prompt = loaded.tokenizer.encode("The history of the old harbour town, told by its fishermen. " * 12)
+    for prompt in [*PROMPTS, long_prompt[:100]]:
+        ids = loaded.tokenizer.encode(prompt) if isinstance(prompt, str) else prompt
+        expected = oracle.greedy(model, ids, MAX_TOKENS)
         r = httpx.post(f"{stack.url}/v1/completions", timeout=120, json={
             "model": "SmolLM2-135M-Instruct", "prompt": prompt, "max_tokens": MAX_TOKENS, "temperature": 0,
             "ignore_eos": True})
@@ -70,3 +75,11 @@ def test_a_flipped_byte_in_the_state_is_detected_and_the_output_stays_identical(
         assert len(transfers) == 1 and transfers[0]["checksum_ok"] and transfers[0]["state_bytes"] > 0
         assert sum(e["type"] == "DecodeReserved" for e in events) == 2  # the corrupted attempt, the retry
         assert sum(e["type"] == "DecodeStarted" for e in events) == 1  # admitted once: after the retry
+        # The retry resumed from the latest checkpoint within its KV hit, computing prompt − C
+        first, retry = [e["payload"] for e in events if e["type"] == "PrefillCompleted"]
+        kv_hit = (len(ids) - 1) // BLOCK_SIZE * BLOCK_SIZE
+        checkpoint = kv_hit // CHECKPOINT_INTERVAL * CHECKPOINT_INTERVAL
+        assert first["num_computed_tokens"] == len(ids)
+        assert (retry["num_cached_tokens"], retry["num_checkpoint_tokens"]) == (kv_hit, checkpoint)
+        assert retry["num_computed_tokens"] == len(ids) - checkpoint
+    assert checkpoint == CHECKPOINT_INTERVAL  # the long prompt's retry did resume from a checkpoint

@@ -7,13 +7,12 @@ config and seed) is served with HF's greedy tokens too."""
 from __future__ import annotations
 
 import pytest
-import torch
 
 from pdserve.engine.llm_engine import EngineConfig, LLMEngine
 from pdserve.engine.loader import build_model, load_model
 from pdserve.engine.sequence import Sequence
-from pdserve.engine.tokenizer import load_tokenizer
 from pdserve.messages import SamplingParams
+from tests.foreign_kimi import save_foreign_kimi
 from tests.unit.test_model_vs_hf import hf_greedy
 
 pytestmark = pytest.mark.usefixtures("one_torch_thread")
@@ -137,26 +136,7 @@ def test_without_checkpoints_a_prefix_hit_recomputes_the_whole_prompt(model, pro
 
 @pytest.fixture(scope="module")
 def foreign_dir(tmp_path_factory):
-    """HF's own save_pretrained of a randomly initialized KimiLinearForCausalLM (another shape than kimi-tiny:
-    a LoRA query, 3 MLA layers, no MoE groups, a wider init), with SmolLM2's tokenizer files beside it."""
-    tokenizer = load_tokenizer("smollm2")
-    config = transformers.KimiLinearConfig(
-        vocab_size=tokenizer.vocab_size, hidden_size=48, intermediate_size=96, moe_intermediate_size=24,
-        num_hidden_layers=5, num_attention_heads=2, num_key_value_heads=2, q_lora_rank=24, kv_lora_rank=16,
-        qk_nope_head_dim=8, qk_rope_head_dim=8, v_head_dim=12, num_local_experts=4, num_experts_per_tok=2,
-        n_group=1, topk_group=1, n_shared_experts=1, linear_num_heads=3, linear_head_dim=16,
-        linear_conv_kernel_dim=3, layer_types=["full_attention", "linear_attention", "full_attention",
-                                               "linear_attention", "full_attention"],
-        mlp_layer_types=["dense", "sparse", "sparse", "dense", "sparse"], initializer_range=0.3,
-        max_position_embeddings=1024, pad_token_id=None, bos_token_id=tokenizer.bos_token_id,
-        eos_token_id=tokenizer.eos_token_id,
-    )
-    torch.manual_seed(99)
-    hf = transformers.KimiLinearForCausalLM(config).eval()
-    path = tmp_path_factory.mktemp("foreign-kimi")
-    hf.save_pretrained(path)
-    tokenizer.save_hf(path)
-    return path
+    return save_foreign_kimi(tmp_path_factory.mktemp("foreign-kimi"))
 
 
 def test_a_kimi_linear_directory_saved_by_hf_is_served_with_hfs_greedy_tokens(foreign_dir):

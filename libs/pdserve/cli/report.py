@@ -1,7 +1,9 @@
 """`pdserve report routing`: how well the router used the prefix caches over a time window, from the
 event log — per-replica hit rate against the perfect-router ceiling, the prefill tokens the gap cost,
 prediction accuracy and load balance (`pdserve.routing.report`); with KV tiers below the pools, the hit
-rate split by the tier each cached token came from ("pool", "offload", ...).
+rate split by the tier each cached token came from ("pool", "offload", ...); for a hybrid model both
+lengths of its hits, the KV hit L ("cached") and the state checkpoint C <= L its prefills resumed from
+("checkpoint").
 
 The database is found as for `pdserve replay` (`--database-url`, `$PDS_DATABASE_URL`, the running
 stack's, the default).
@@ -60,20 +62,10 @@ def print_report(report: RoutingReport) -> None:
             f"no routed request with a completed prefill in the window ({report.unfinished} unfinished)"
         )
         return
-    table = Table(
-        "replica",
-        "requests",
-        "prompt tokens",
-        "cached",
-        "hit rate",
-        "by tier",
-        "ceiling",
-        "of ceiling",
-        "mean active",
-        title="prefill replicas",
-        title_justify="left",
-        header_style="bold",
-    )
+    hybrid = report.hybrid_requests > 0  # a model with state: the hit is (KV hit L, checkpoint C)
+    columns = ["replica", "requests", "prompt tokens", "cached", *(["checkpoint"] if hybrid else []),
+               "hit rate", "by tier", "ceiling", "of ceiling", "mean active"]
+    table = Table(*columns, title="prefill replicas", title_justify="left", header_style="bold")
     for r in report.replicas:
         of = f"{r.cached_tokens / r.ceiling_tokens:.1%}" if r.ceiling_tokens else "—"
         table.add_row(
@@ -81,6 +73,7 @@ def print_report(report: RoutingReport) -> None:
             str(r.requests),
             str(r.prompt_tokens),
             str(r.cached_tokens),
+            *([str(r.checkpoint_tokens)] if hybrid else []),
             f"{r.hit_rate:.1%}",
             tier_split(r.hit_rate_by_tier),
             f"{r.ceiling_hit_rate:.1%}",
@@ -88,6 +81,14 @@ def print_report(report: RoutingReport) -> None:
             f"{r.mean_active_requests:.2f}",
         )
     console.print(table)
+    if hybrid:
+        console.print(
+            f"hybrid hits (KV hit L, state checkpoint C): {report.hybrid_requests} requests, "
+            f"L {report.hybrid_cached_tokens} tokens, C {report.checkpoint_tokens} tokens; the prefills "
+            f"compute prompt − C, so {report.hybrid_cached_tokens - report.checkpoint_tokens} cached KV "
+            f"tokens were recomputed for the state; checkpoint prediction exact for "
+            f"{report.checkpoint_prediction_exact:.1%} of them"
+        )
     console.print(
         f"{report.requests} requests ({report.unfinished} without a completed prefill) · policy "
         f"{', '.join(f'{k} {v}' for k, v in report.policies.items())} · mode "

@@ -23,7 +23,7 @@ from typing import NamedTuple
 import torch
 
 from pdserve.engine.block_manager import BlockManager, NoFreeBlocks
-from pdserve.engine.kv_events import BlockRemoved, BlockStored
+from pdserve.engine.kv_events import BlockRemoved, BlockStored, CheckpointRemoved, CheckpointStored
 from pdserve.engine.kv_tiers.tier import KVTier
 from pdserve.engine.kv_tiers.tier_set import KVTierSet
 from pdserve.engine.model_family import EngineModel
@@ -273,12 +273,16 @@ class LLMEngine:
         if self.tiers is not None:
             self.tiers.write_computed(self.block_manager.take_computed())
 
-    def take_kv_events(self) -> list[BlockStored | BlockRemoved]:
+    def take_kv_events(self) -> list[BlockStored | BlockRemoved | CheckpointStored | CheckpointRemoved]:
         """KV cache events since the last call: the pool's (`BlockManager.take_events`), then the tiers'
-        (`KVTierSet.take_events`, labelled by tier)."""
-        events = self.block_manager.take_events()
+        (`KVTierSet.take_events`, labelled by tier), then a hybrid's state checkpoints'
+        (`StatePool.take_events`)."""
+        events: list[BlockStored | BlockRemoved | CheckpointStored | CheckpointRemoved] = [
+            *self.block_manager.take_events()]
         if self.tiers is not None:
             events += self.tiers.take_events()
+        if self.state_pool is not None:
+            events += self.state_pool.take_events()
         return events
 
     def flush_tiers(self) -> None:

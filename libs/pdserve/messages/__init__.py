@@ -28,7 +28,13 @@ One module per counterpart: `common` (the `Message` base, `Role`, `Ack`, `Reject
 """
 
 # The engine's own vocabulary, carried on the wire as the engine defines it (re-exported here).
-from pdserve.engine.kv_events import AllBlocksCleared, BlockRemoved, BlockStored
+from pdserve.engine.kv_events import (
+    AllBlocksCleared,
+    BlockRemoved,
+    BlockStored,
+    CheckpointRemoved,
+    CheckpointStored,
+)
 from pdserve.engine.outputs import FinishReason, TokenLogprobs
 from pdserve.engine.sampling_params import SamplingParams
 from pdserve.messages.common import Ack, Message, RejectCode, Rejected, Role
@@ -64,6 +70,8 @@ __all__ = [
     "BlockRemoved",
     "BlockStored",
     "CandidateCost",
+    "CheckpointRemoved",
+    "CheckpointStored",
     "CompatibilityDescriptor",
     "DecodeAdmitted",
     "DecodeFinished",

@@ -1,6 +1,7 @@
 """A worker's KV cache events (vLLM's KV events: pds.kv.<id>, `KVEvents`) and their periodic digest
 (pds.kvdigest.<id>, `KVDigest`), which the router's KV index is built from. The events themselves
-(`BlockStored`, `BlockRemoved`, `AllBlocksCleared`) are the engine's."""
+(`BlockStored`, `BlockRemoved`, `AllBlocksCleared`, and a hybrid's `CheckpointStored` / `CheckpointRemoved`)
+are the engine's."""
 
 from __future__ import annotations
 
@@ -8,8 +9,16 @@ from typing import Annotated
 
 from pydantic import Field
 
-from pdserve.engine.kv_events import AllBlocksCleared, BlockRemoved, BlockStored
+from pdserve.engine.kv_events import (
+    AllBlocksCleared,
+    BlockRemoved,
+    BlockStored,
+    CheckpointRemoved,
+    CheckpointStored,
+)
 from pdserve.messages.common import Message
+
+KVEvent = BlockStored | BlockRemoved | AllBlocksCleared | CheckpointStored | CheckpointRemoved
 
 
 class KVEvents(Message):
@@ -18,7 +27,7 @@ class KVEvents(Message):
 
     worker_id: str
     seq: int = Field(ge=0)
-    events: tuple[Annotated[BlockStored | BlockRemoved | AllBlocksCleared, Field(discriminator="kind")], ...]
+    events: tuple[Annotated[KVEvent, Field(discriminator="kind")], ...]
     ts: float
 
 

@@ -29,6 +29,8 @@ class CandidateCost(Message):
     uncached_blocks: int = 0
     active_prefill_blocks: int = 0
     active_decode_blocks: int = 0
+    checkpoint_blocks: int = Field(0, description="A hybrid's longest state checkpoint within the KV hit, "
+                                   "in blocks (0 without one, or for a model without state).")
     cached_blocks_by_tier: dict[str, int] = Field(
         default_factory=dict, description="cached_blocks by the tier holding them ('pool', 'offload', ...).")
 
@@ -45,6 +47,9 @@ class RouteOutcome(BaseModel):
     candidates: tuple[CandidateCost, ...]
     predicted_cached_tokens: int = 0
     best_cached_tokens: int = 0
+    predicted_checkpoint_tokens: int = Field(
+        0, description="A hybrid: the state checkpoint the chosen prefill worker resumes from (<= "
+        "predicted_cached_tokens), so it computes prompt − this; 0 for a model without state.")
     policy: str = ""
     block_size: int = 0
     prompt_block_hashes: tuple[int, ...] = Field(

@@ -23,6 +23,10 @@ router never counts on blocks a worker no longer has:
 Lookups (`overlaps`) count, per worker, the blocks of a request's leading run that the worker holds —
 the "overlap score" of Dynamo's KV router (docs.nvidia.com/dynamo, Router → Routing Concepts).
 
+A hybrid model's workers also publish their recurrent-state checkpoints (`CheckpointStored` /
+`CheckpointRemoved`, under the chained hash of the block ending at the checkpoint): the index keeps each
+worker's set of them, wiped with its blocks, and `checkpoint_blocks` finds the longest one within a KV
+hit — where that worker's prefill would resume (`engine/state_pool.py: StatePool.find_checkpoint`).
 Tiers below the pool (issue 16, `engine/kv_tiers`): events labelled with another `tier` than "pool" (a
 worker's "offload" tier) are kept per worker and tier beside the pool's hashes, outside the digest (which
 covers the pool only), and wiped with the worker on a gap or a restart. `overlaps_by_tier` walks the
@@ -42,7 +46,15 @@ from collections import OrderedDict
 from collections.abc import Callable, Iterable, Sequence
 from dataclasses import dataclass, field
 
-from pdserve.messages import AllBlocksCleared, BlockRemoved, BlockStored, KVDigest, KVEvents
+from pdserve.messages import (
+    AllBlocksCleared,
+    BlockRemoved,
+    BlockStored,
+    CheckpointRemoved,
+    CheckpointStored,
+    KVDigest,
+    KVEvents,
+)
 
 SHARED_TIERS = ("store",)  # tiers every worker reads: indexed once for the cluster, not per worker
 
@@ -64,6 +76,7 @@ class WorkerBlocks:
     partial: bool = True  # until the worker's start (AllBlocksCleared) or a matching digest is seen
     last_heard: float = 0.0
     digest_ahead: int | None = None  # seq of a digest that arrived before its batches
+    checkpoints: set[int] = field(default_factory=set)  # block hashes a state checkpoint is stored under
     tiers: dict[str, set[int]] = field(default_factory=dict)  # tier below the pool → hashes it holds
 
 
@@ -103,6 +116,7 @@ class KVIndex:
                 del self._holders[h]
         w.hashes = set()
         w.xor_hashes = 0
+        w.checkpoints = set()
         w.tiers = {}
 
     def _store(self, w: WorkerBlocks, hashes: Iterable[int]) -> None:
@@ -153,6 +167,10 @@ class KVIndex:
                 self._store(w, ev.block_hashes)
             elif isinstance(ev, BlockRemoved):
                 self._remove(w, ev.block_hashes)
+            elif isinstance(ev, CheckpointStored):
+                w.checkpoints.add(ev.block_hash)
+            elif isinstance(ev, CheckpointRemoved):
+                w.checkpoints.difference_update(ev.block_hashes)
             elif isinstance(ev, AllBlocksCleared):
                 self._clear(w)
                 w.partial = False
@@ -240,6 +258,23 @@ class KVIndex:
                 held.pop(h, None)
         while len(held) > self.store_max_blocks:
             held.popitem(last=False)
+
+    def checkpoint_blocks(self, block_hashes: Sequence[int], worker_id: str, max_blocks: int) -> int:
+        """The longest state checkpoint `worker_id` holds within the first `max_blocks` of `block_hashes`
+        (a prompt's chained hashes; `max_blocks` its KV hit there), in blocks: the largest i <= max_blocks
+        whose block i - 1 has a checkpoint stored under its hash, 0 when none (or the worker is unknown)."""
+        w = self._workers.get(worker_id)
+        if w is None or not w.checkpoints:
+            return 0
+        for i in range(min(max_blocks, len(block_hashes)), 0, -1):
+            if block_hashes[i - 1] in w.checkpoints:
+                return i
+        return 0
+
+    def num_checkpoints(self, worker_id: str) -> int:
+        """State checkpoints indexed for one worker."""
+        w = self._workers.get(worker_id)
+        return len(w.checkpoints) if w else 0
 
     def overlaps_by_tier(self, block_hashes: Sequence[int], worker_id: str) -> dict[str, int]:
         """How many of `block_hashes`' leading run `worker_id` holds, split by tier: each block counted at

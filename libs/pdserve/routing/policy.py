@@ -64,6 +64,9 @@ class Candidate:
     there; `active_requests`: requests there now;
     `kv_usage`: fraction of its KV capacity in use (heartbeat), 0..1; `recent_requests`: its exponentially
     weighted count of recent routing decisions (`ActiveLoad.recent_requests`), the stable load.
+    `checkpoint_blocks`: for a model with recurrent state (a hybrid), the longest state checkpoint the
+    worker holds within its KV hit (<= `cached_blocks`): its prefill resumes there, so only that much of
+    the hit saves compute; None for a model without state (the whole KV hit is usable).
     `cached_blocks_by_tier`: cached_blocks split by the tier holding each block ("pool", "offload", ...:
     `KVIndex.overlaps_by_tier`); empty means all in the pool."""
 
@@ -76,11 +79,18 @@ class Candidate:
     active_requests: int
     kv_usage: float
     recent_requests: float = 0.0
+    checkpoint_blocks: int | None = None
     cached_blocks_by_tier: Mapping[str, int] = field(default_factory=dict)
 
     @property
+    def usable_blocks(self) -> int:
+        """Blocks of the prompt the prefill does not compute: the KV hit, or for a hybrid the checkpoint."""
+        return self.cached_blocks if self.checkpoint_blocks is None else self.checkpoint_blocks
+
+    @property
     def uncached_blocks(self) -> int:
-        return max(self.prompt_blocks - self.cached_blocks, 0)
+        """Blocks the prefill computes (prompt − usable hit)."""
+        return max(self.prompt_blocks - self.usable_blocks, 0)
 
     def weighted_cached_blocks(self, tier_weights: Mapping[str, float]) -> float:
         """Σ over tiers of weight_t · blocks held there (a tier without a weight counts 0); the pool's
@@ -102,6 +112,7 @@ class Candidate:
             uncached_blocks=self.uncached_blocks,
             active_prefill_blocks=self.active_prefill_blocks,
             active_decode_blocks=self.active_decode_blocks,
+            checkpoint_blocks=self.checkpoint_blocks or 0,
             cached_blocks_by_tier=dict(self.cached_blocks_by_tier),
         )
 
@@ -173,9 +184,10 @@ class KVCost(RoutingPolicy):
         ]
 
     def _cached(self, c: Candidate) -> float:
-        if not self.tier_weights:
-            return float(c.cached_blocks)
-        return c.weighted_cached_blocks(self.tier_weights)
+        weights = self.tier_weights
+        cached = c.weighted_cached_blocks(weights) if weights else float(c.cached_blocks)
+        # A hybrid's prefill resumes from its checkpoint: no more of the hit than that saves compute
+        return cached if c.checkpoint_blocks is None else min(cached, float(c.checkpoint_blocks))
 
     def imbalanced(self, candidates: Sequence[Candidate]) -> bool:
         """SGLang's test: max − min active requests > abs threshold and max > rel threshold · min."""

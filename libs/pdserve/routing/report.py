@@ -7,6 +7,10 @@ prompt length). Hit rate = cached prompt tokens / prompt tokens. The ceiling of 
 ceiling − actual cached tokens (clipped at 0), i.e. prompt tokens computed that a perfect router would
 have served from cache. Prediction = `predicted_cached_tokens` against `PrefillCompleted.num_cached_tokens`.
 Load = requests routed per replica and the mean `active_requests` the candidates reported, max/min.
+
+A hybrid's hit is a pair (docs/architecture.md §12): beside the KV hit L (`num_cached_tokens`) each
+request has the state checkpoint C <= L its prefill resumed from (`PrefillCompleted.num_checkpoint_tokens`,
+predicted as `RequestRouted.predicted_checkpoint_tokens`); it computed prompt − C. Llama's C is its L.
 Tiers (issue 16): the cached tokens are split by where their KV came from (`PrefillCompleted.
 cached_tokens_by_tier`: "pool", "offload", ...; events recorded before that field count as "pool"), so the
 hit rate is reported per tier beside the ceiling (which counts a block in any tier of any candidate).
@@ -39,6 +43,9 @@ class RoutedRequest:
     block_hashes: tuple[int, ...] = ()
     candidate_active: dict[str, int] = field(default_factory=dict)
     prefill_s: float | None = None
+    predicted_checkpoint_tokens: int = 0
+    actual_checkpoint_tokens: int | None = None  # a hybrid's C (None: not prefilled yet, or no state)
+    computed_tokens: int | None = None
     cached_tokens_by_tier: dict[str, int] = field(default_factory=dict)
 
 
@@ -64,7 +71,7 @@ def fold_routed(events: Iterable[Event]) -> list[RoutedRequest]:
     The last route and the last prefill of a request count (a retried prefill replaces the first)."""
     received: dict[str, int] = {}
     routed: dict[str, RoutedRequest] = {}
-    prefilled: dict[str, tuple[int, int, float, dict[str, int]]] = {}
+    prefilled: dict[str, tuple[int, int, float, int, dict[str, int]]] = {}
     for e in events:
         p = e.payload
         if e.type == "RequestReceived":
@@ -83,19 +90,26 @@ def fold_routed(events: Iterable[Event]) -> list[RoutedRequest]:
                 block_size=int(p.get("block_size", 0)),
                 block_hashes=tuple(p.get("prompt_block_hashes", ())),
                 candidate_active={c["worker_id"]: int(c["active_requests"]) for c in p.get("candidates", [])},
+                predicted_checkpoint_tokens=int(p.get("predicted_checkpoint_tokens", 0)),
             )
         elif e.type == "PrefillCompleted":
             prefilled[e.request_id] = (
                 int(p["num_cached_tokens"]),
                 int(p["num_computed_tokens"]),
                 float(p.get("prefill_s", 0.0)),
+                int(p.get("num_checkpoint_tokens", 0)),
                 _by_tier(p),
             )
     for rid, r in routed.items():
         if rid in prefilled:
-            cached, computed, prefill_s, by_tier = prefilled[rid]
-            r.actual_cached_tokens, r.prefill_s, r.cached_tokens_by_tier = cached, prefill_s, by_tier
+            cached, computed, prefill_s, checkpoint, by_tier = prefilled[rid]
+            r.actual_cached_tokens, r.prefill_s, r.computed_tokens = cached, prefill_s, computed
+            r.cached_tokens_by_tier = by_tier
             r.prompt_tokens = received.get(rid, cached + computed)
+            # A hybrid computed prompt − C (C <= L); one whose C and L are both 0 reads as a model without
+            # state, and counts nothing either way.
+            if checkpoint or r.predicted_checkpoint_tokens or computed > r.prompt_tokens - cached:
+                r.actual_checkpoint_tokens = checkpoint
         else:
             r.prompt_tokens = received.get(rid, 0)
     return sorted(routed.values(), key=lambda r: r.ts)
@@ -109,6 +123,7 @@ class ReplicaStats:
     cached_tokens: int
     ceiling_tokens: int
     mean_active_requests: float
+    checkpoint_tokens: int = 0  # a hybrid's: prompt tokens its prefills resumed past (sum of C)
     cached_tokens_by_tier: dict[str, int] = field(default_factory=dict)
 
     @property
@@ -142,6 +157,10 @@ class RoutingReport:
     replicas: tuple[ReplicaStats, ...]
     modes: dict[str, int]
     policies: dict[str, int]
+    hybrid_requests: int = 0  # requests of a model with state (their hit is a pair)
+    checkpoint_tokens: int = 0  # their sum of C
+    hybrid_cached_tokens: int = 0  # their sum of L
+    checkpoint_prediction_exact: float = 1.0
     cached_tokens_by_tier: dict[str, int] = field(default_factory=dict)
 
     @property
@@ -191,12 +210,14 @@ def summarize(requests: Sequence[RoutedRequest]) -> RoutingReport:
             cached_tokens=sum(r.actual_cached_tokens or 0 for r in rs),
             ceiling_tokens=sum(r.best_cached_tokens for r in rs),
             mean_active_requests=sum(active.get(wid, [0])) / max(len(active.get(wid, [])), 1),
+            checkpoint_tokens=sum(r.actual_checkpoint_tokens or 0 for r in rs),
             cached_tokens_by_tier=_sum_tiers(r.cached_tokens_by_tier for r in rs),
         )
         for wid, rs in sorted(replicas.items())
     )
     cached = sum(r.actual_cached_tokens or 0 for r in done)
     errors = [abs(r.predicted_cached_tokens - (r.actual_cached_tokens or 0)) for r in done]
+    hybrid = [r for r in done if r.actual_checkpoint_tokens is not None]
     modes: dict[str, int] = {}
     policies: dict[str, int] = {}
     for r in done:
@@ -214,5 +235,11 @@ def summarize(requests: Sequence[RoutedRequest]) -> RoutingReport:
         replicas=stats,
         modes=modes,
         policies=policies,
+        hybrid_requests=len(hybrid),
+        checkpoint_tokens=sum(r.actual_checkpoint_tokens or 0 for r in hybrid),
+        hybrid_cached_tokens=sum(r.actual_cached_tokens or 0 for r in hybrid),
+        checkpoint_prediction_exact=(
+            sum(r.predicted_checkpoint_tokens == r.actual_checkpoint_tokens for r in hybrid) / len(hybrid)
+            if hybrid else 1.0),
         cached_tokens_by_tier=_sum_tiers(r.cached_tokens_by_tier for r in done),
     )

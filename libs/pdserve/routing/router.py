@@ -14,7 +14,10 @@ back to local prefill when no prefill worker is available).
 Every decision records each candidate's cost terms, the predicted cached tokens on the chosen prefill
 worker, and the most cached tokens any candidate held (the perfect-router ceiling for this request).
 A fully cached prompt still computes its last token, so a hit covers at most (n − 1) // block_size
-blocks (as vLLM's prefix cache: `max_cache_hit_length = num_tokens − 1`).
+blocks (as vLLM's prefix cache: `max_cache_hit_length = num_tokens − 1`). For a hybrid (a descriptor
+with a state layout) the hit is a pair: the KV hit L and the longest state checkpoint C <= L the worker
+published; the prefill computes prompt − C, which is what the cost counts and `RouteDecision` predicts
+(`predicted_cached_tokens` L, `predicted_checkpoint_tokens` C).
 """
 
 from __future__ import annotations
@@ -117,6 +120,8 @@ class Placer:
         by_tier = self.index.overlaps_by_tier(hashes[:max_hit], wid)
         cached = sum(by_tier.values())
         prompt_blocks = _ceil_div(num_tokens, desc.block_size)
+        # A hybrid resumes from its longest state checkpoint within the KV hit (the usable hit)
+        checkpoint = self.index.checkpoint_blocks(hashes, wid, cached) if desc.state_layout else None
         return Candidate(
             worker_id=wid,
             role=state.heartbeat.role,
@@ -127,6 +132,7 @@ class Placer:
             active_requests=max(state.active_requests, self.load.requests(wid)),
             kv_usage=state.kv_usage,
             recent_requests=self.load.recent_requests(wid),
+            checkpoint_blocks=checkpoint,
             cached_blocks_by_tier=by_tier,
         )
 
@@ -233,6 +239,7 @@ class Placer:
             decode_worker_id=decode.worker_id,
             candidates=tuple(c.cost_record(sc) for c, sc in costs),
             predicted_cached_tokens=prefill.cached_blocks * bs,
+            predicted_checkpoint_tokens=(prefill.checkpoint_blocks or 0) * bs,
             best_cached_tokens=max(c.cached_blocks for c in ceiling) * bs,
             policy=self.policy.name,
             block_size=bs,

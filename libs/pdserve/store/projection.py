@@ -77,16 +77,19 @@ def _fields(p: Payload, ts: float) -> Row:
             return {"model": p.model, "prompt_tokens": p.num_prompt_tokens, "received_at": to_datetime(ts)}
         case RequestRouted():
             return {"mode": p.mode, "prefill_worker_id": p.prefill_worker_id,
-                    "decode_worker_id": p.decode_worker_id, "route_s": p.route_s}
+                    "decode_worker_id": p.decode_worker_id, "route_s": p.route_s,
+                    "predicted_cached_tokens": p.predicted_cached_tokens,
+                    "predicted_checkpoint_tokens": p.predicted_checkpoint_tokens}
         case DecodeReserved():
             return {"decode_worker_id": p.decode_worker_id, "reserve_s": p.reserve_s}
         case PrefillStarted():
             return {"prefill_worker_id": p.prefill_worker_id}
         case PrefillCompleted():
             return {"cached_tokens": p.num_cached_tokens, "computed_tokens": p.num_computed_tokens,
-                    "kv_bytes": p.kv_bytes, "prefill_s": p.prefill_s}
+                    "checkpoint_tokens": p.num_checkpoint_tokens, "kv_bytes": p.kv_bytes,
+                    "state_bytes": p.state_bytes, "prefill_s": p.prefill_s}
         case TransferCompleted():
-            return {"kv_bytes": p.kv_bytes, "transfer_s": p.transfer_s}
+            return {"kv_bytes": p.kv_bytes, "state_bytes": p.state_bytes, "transfer_s": p.transfer_s}
         case DecodeStarted():
             return {"decode_worker_id": p.decode_worker_id}
         case TokensCommitted():

@@ -51,6 +51,12 @@ requests = sa.Table(
     sa.Column("cached_tokens", sa.Integer),
     sa.Column("computed_tokens", sa.Integer),
     sa.Column("kv_bytes", sa.BigInteger),
+    # A hybrid's hit pair (migration 0006): the checkpoint C the prefill resumed from (cached_tokens is L),
+    # the router's prediction of both, and the state bytes handed off apart from kv_bytes.
+    sa.Column("checkpoint_tokens", sa.Integer),
+    sa.Column("predicted_cached_tokens", sa.Integer),
+    sa.Column("predicted_checkpoint_tokens", sa.Integer),
+    sa.Column("state_bytes", sa.BigInteger),
     sa.Column("transfer_s", sa.Float),
     sa.Column("ttft_s", sa.Float),
     sa.Column("queue_s", sa.Float),

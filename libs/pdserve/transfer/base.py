@@ -50,13 +50,15 @@ class TransferCancelled(TransferError):
 @dataclass(frozen=True)
 class TransferStats:
     """A verified transfer: `kv_bytes` payload bytes over `num_layers * num_chunks` chunks; `seconds` runs
-    from `expect()` to the last chunk verified."""
+    from `expect()` to the last chunk verified; `verified_ts`: UNIX seconds then, when the receiver stamped
+    it (0.0 otherwise)."""
 
     transfer_id: str
     kv_bytes: int
     num_layers: int
     num_chunks: int
     seconds: float
+    verified_ts: float = 0.0
 
 
 class InboundState(StrEnum):

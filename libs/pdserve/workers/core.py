@@ -47,6 +47,7 @@ class WorkerCore:
                 max_num_batched_tokens=settings.max_num_batched_tokens,
                 max_num_seqs=settings.max_num_seqs,
                 hash_seed=settings.kv_hash_seed,
+                checkpoint_interval=settings.checkpoint_interval,
             ),
             loaded.tokenizer.stop_token_ids,
             tiers=build_tiers(settings, loaded, self.model),

@@ -123,6 +123,8 @@ class DecodeCommands:
                     transfer_s=seconds,
                     checksum_ok=True,
                     state_bytes=state_bytes,
+                    kv_verified_ts=stats.verified_ts,
+                    state_verified_ts=state.verified_ts if state is not None else 0.0,
                 ),
                 core.worker_id,
             )

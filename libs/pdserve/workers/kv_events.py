@@ -1,4 +1,6 @@
-"""A worker's KV cache events (vLLM's KV events) and digests, published for the KV-aware router."""
+"""A worker's KV cache events (vLLM's KV events) and digests, published for the KV-aware router. For a
+hybrid model the same batches carry its state checkpoints (`CheckpointStored` / `CheckpointRemoved`), so
+the router predicts the usable hit: the KV hit and the checkpoint the prefill can resume from."""
 
 from __future__ import annotations
 
@@ -7,19 +9,21 @@ from collections.abc import Callable
 
 from pdserve.bus import Bus
 from pdserve.engine.block_manager import BlockManager
-from pdserve.messages import AllBlocksCleared, BlockRemoved, BlockStored, KVDigest, KVEvents
+from pdserve.messages import AllBlocksCleared, KVDigest, KVEvents
+from pdserve.messages.kv_events import KVEvent
 
 
 class KVEventPublisher:
     """Publishes batches of `BlockManager` events on `pds.kv.<worker_id>` with a `seq` that grows by one
     per batch, and `KVDigest`s (block count + XOR of held hashes) on `pds.kvdigest.<worker_id>`.
-    `take_events`: where the events come from (default the block manager's; a worker with KV tiers passes
-    `LLMEngine.take_kv_events`, which adds each tier's, labelled by tier). The digest covers the pool only:
-    what the tiers hold is told by their events alone."""
+    `take_events`: where the events come from (default the block manager's; a worker passes
+    `LLMEngine.take_kv_events`, which adds each KV tier's, labelled by tier, and a hybrid's state
+    checkpoint events). The digest covers the pool only: what the tiers and checkpoints hold is told by
+    their events alone."""
 
     def __init__(
         self, bus: Bus, worker_id: str, block_manager: BlockManager,
-        take_events: Callable[[], list[BlockStored | BlockRemoved]] | None = None,
+        take_events: Callable[[], list[KVEvent]] | None = None,
     ) -> None:
         self.bus = bus
         self.worker_id = worker_id
@@ -52,7 +56,7 @@ class KVEventPublisher:
             ),
         )
 
-    async def _publish(self, events: list[BlockStored | BlockRemoved | AllBlocksCleared]) -> None:
+    async def _publish(self, events: list[KVEvent]) -> None:
         seq, self.next_seq = self.next_seq, self.next_seq + 1
         await self.bus.publish(
             self.bus.subjects.kv_events(self.worker_id),

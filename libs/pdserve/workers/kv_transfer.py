@@ -20,6 +20,7 @@ from __future__ import annotations
 
 import asyncio
 import concurrent.futures
+import dataclasses
 import time
 from collections.abc import Awaitable, Callable
 from concurrent.futures import Future
@@ -171,12 +172,16 @@ class InboundKV:
             self.staging[layer][token_start:end]))
 
     async def _receive(self, timeout_s: float) -> TransferStats:
+        async def stamped(wait: Awaitable[TransferStats]) -> TransferStats:
+            stats = await wait  # when each half was verified: the KV's exposed tail and the state's apart
+            return dataclasses.replace(stats, verified_ts=time.time())
+
         try:
             if self._state is None:
-                stats = await self.inbound.wait(timeout_s)
+                stats = await stamped(self.inbound.wait(timeout_s))
             else:  # the first failure of either half fails the transfer
-                stats, self.state_stats = await asyncio.gather(self.inbound.wait(timeout_s),
-                                                               self._state.wait(timeout_s))
+                stats, self.state_stats = await asyncio.gather(stamped(self.inbound.wait(timeout_s)),
+                                                               stamped(self._state.wait(timeout_s)))
         except BaseException:
             self.cancel()  # nothing of a failed transfer lands later
             raise
