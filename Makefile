@@ -1,7 +1,8 @@
 # pdserve: every target works on a bare machine. The first target that needs Python builds .venv (once; again
 # only when pyproject.toml changes); nothing asks the user to activate it.
 #
-#   make up [MODE=disaggregated|colocated] [MODEL=smollm2|tiny|kimi-tiny|<HF model dir>] [PREFILL=1] [DECODE=1] [PORT=8000]
+#   make up [MODE=disaggregated|colocated] [MODEL=smollm2|tiny|kimi-tiny|<HF model dir>] [PREFILL=1] [DECODE=1]
+#           [COORDINATORS=1] [ROUTERS=1] [PORT=8000]
 #   make down | status | logs [SERVICE=gateway] | test [ARGS=...] | lint | trace ID=... | replay [ID=...] | bench
 #   make observability-tools   Debian's prometheus, for the dashboards test (root; .ci/run runs it)
 #
@@ -18,6 +19,8 @@ MODE ?= disaggregated
 MODEL ?= smollm2
 PREFILL ?= 1
 DECODE ?= 1
+COORDINATORS ?= 1
+ROUTERS ?= 1
 PORT ?= 8000
 SERVICE ?=
 ID ?=
@@ -32,7 +35,7 @@ COMPOSE_UP_colocated := --profile colocated up -d --scale prefill-0=0 --scale de
 .PHONY: help venv observability-tools up down status logs test lint trace replay bench
 
 help:
-	@sed -n '1,9p' Makefile | sed 's/^# \{0,1\}//'
+	@sed -n '1,10p' Makefile | sed 's/^# \{0,1\}//'
 
 venv: $(STAMP)
 
@@ -61,10 +64,12 @@ observability-tools:
 
 up:
 	@if $(HAVE_DOCKER); then \
-		PDS_MODEL=$(MODEL) docker compose $(COMPOSE_UP_$(MODE)); \
+		PDS_MODEL=$(MODEL) docker compose $(COMPOSE_UP_$(MODE)) --scale coordinator=$(COORDINATORS) \
+			--scale router=$(ROUTERS); \
 	else \
 		$(MAKE) --no-print-directory venv && \
-		$(BIN)/pdserve up --mode $(MODE) --model $(MODEL) --prefill $(PREFILL) --decode $(DECODE) --port $(PORT); \
+		$(BIN)/pdserve up --mode $(MODE) --model $(MODEL) --prefill $(PREFILL) --decode $(DECODE) \
+			--coordinators $(COORDINATORS) --routers $(ROUTERS) --port $(PORT); \
 	fi
 
 down:

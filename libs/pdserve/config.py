@@ -189,6 +189,9 @@ class RouterSettings(CommonSettings):
         600.0, description="The router's own record of a placed request is dropped after this long even "
         "if its end was never seen (a lost event must not leak load).")
     seed: int | None = Field(None, description="Seed of the random and temperature sampling (None = OS).")
+    worker_id: str = Field(
+        "router", description="This router's name in the stack (`PDS_WORKER_ID`): the sender of the bookings "
+        "it shares with the other routers (routing/shared_load.py).")
 
 
 class CoordinatorSettings(CommonSettings):
@@ -218,6 +221,24 @@ class CoordinatorSettings(CommonSettings):
     recovery_stall_s: float = Field(
         3.0, description="A resumed decoding request whose worker streams nothing for this long is "
         "migrated (its DecodeFinished may have been lost while no coordinator ran).")
+    worker_id: str = Field(
+        "coordinator", description="This coordinator's name in the stack (`PDS_WORKER_ID`); its lease holder "
+        "id is `<name>.<incarnation>`, new at every start (lifecycle/ownership.py).")
+    lease_s: float = Field(
+        4.0, description="A coordinator whose lease key has not changed for this long (seen by another "
+        "coordinator's own clock) is dead: its requests are taken over. It stops acting itself after "
+        "lease_s − 2·lease_renew_s without a successful renewal (fencing).")
+    lease_renew_s: float = Field(
+        0.5, description="How often a coordinator renews its lease, seconds; it sweeps for requests of dead "
+        "coordinators every max(lease_renew_s, lease_s/4).")
+    lease_replicas: int = Field(
+        1, ge=1, description="Replicas of the lease bucket's stream (3 on a 3-node NATS cluster, as the "
+        "events stream).")
+
+    @property
+    def lease_bucket(self) -> str:
+        """The JetStream KV bucket of the request leases: one per events stream (a stack, a test run)."""
+        return f"{self.events_stream}_LEASES"
 
 
 class WorkerSettings(CommonSettings, ModelSettings):

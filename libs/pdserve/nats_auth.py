@@ -28,7 +28,8 @@ WORKER_ROLES = ("prefill", "decode", "unified")
 EMITS: dict[str, tuple[str, ...]] = {
     "gateway": ("RequestReceived", "RequestFailed"),
     "coordinator": ("RequestRouted", "DecodeReserved", "AdmissionDeferred", "RequestMigrated",
-                    "RequestRecovered", "RequestCompleted", "RequestFailed", "RequestAborted"),
+                    "RequestRecovered", "RequestTakenOver", "RequestCompleted", "RequestFailed",
+                    "RequestAborted"),
     "worker": ("PrefillStarted", "PrefillCompleted", "TransferCompleted", "ChecksumMismatch", "DecodeStarted",
                "TokensCommitted"),
     "router": (),
@@ -40,6 +41,7 @@ COMMANDS = ("reserve", "prefill", "start", "release")  # what the coordinator se
 JS_CONNECT = ("$JS.API.INFO", "$JS.API.STREAM.INFO.*", "$JS.API.STREAM.CREATE.*")
 JS_READ = ("$JS.API.CONSUMER.>", "$JS.API.STREAM.MSG.GET.*", "$JS.API.DIRECT.GET.>", "$JS.ACK.>")
 INBOX = "_INBOX.>"  # replies to this connection's requests (nats-py's default inbox prefix)
+KV_WRITE = "$KV.>"  # writes to JetStream KV: the coordinators' request leases (lifecycle/ownership.py)
 
 
 def kind_of(role: str) -> str:
@@ -65,11 +67,12 @@ def permissions(name: str, role: str, prefix: str) -> dict[str, Any]:
         pub += [s.submit, s.abort, *JS_READ]
         sub += [s.tokens("*"), s.event("*", "*"), s.heartbeat()]
     elif kind == "coordinator":
-        pub += [s.route, *(s.worker("*", c) for c in COMMANDS), s.tokens("*"), *JS_READ]  # type: ignore[arg-type]
+        pub += [s.route, *(s.worker("*", c) for c in COMMANDS), s.tokens("*"), *JS_READ,  # type: ignore[arg-type]
+                KV_WRITE]
         sub += [s.submit, s.abort, s.finished(), s.heartbeat(), s.tokens("*")]
     elif kind == "router":
-        pub += [s.incompatible()]
-        sub += [s.route, s.heartbeat(), s.kv_events(), s.kv_digest(), s.all_events]
+        pub += [s.incompatible(), s.booked]
+        sub += [s.route, s.booked, s.heartbeat(), s.kv_events(), s.kv_digest(), s.all_events]
     elif kind == "recorder":
         pub += [*JS_READ]
     return {"publish": {"allow": pub}, "subscribe": {"allow": sub}, "allow_responses": True}
