@@ -136,22 +136,27 @@ class Ownership:
         log.info("coordinator lease %s taken", self.holder)
 
     async def _renew_forever(self) -> None:
-        assert self.kv is not None
         while True:
             await asyncio.sleep(self.settings.lease_renew_s)
-            reason = None
-            try:
-                self._lease_rev = await self.kv.update(
-                    _coordinator_key(self.holder), LIVE.encode(), last=self._lease_rev)
-                self._renewed_at = self.clock()
-            except nats.js.errors.KeyWrongLastSequenceError:
-                reason = "another coordinator declared this lease dead"
-            except Exception as e:  # NATS unreachable: renewed later, unless fence_s passes first
-                log.warning("lease %s not renewed (%s: %s)", self.holder, type(e).__name__, e)
-                if not self.valid():
-                    reason = f"not renewed for {self.clock() - self._renewed_at:.1f} s"
-            if reason is not None:
-                await self._fenced(reason)
+            await self.renew()
+
+    async def renew(self) -> None:
+        """Renew the lease once; when it is refused (declared dead) or `fence_s` passed since the last
+        renewal, call `on_fenced` and take a new lease under a new holder id."""
+        assert self.kv is not None
+        reason = None
+        try:
+            self._lease_rev = await self.kv.update(
+                _coordinator_key(self.holder), LIVE.encode(), last=self._lease_rev)
+            self._renewed_at = self.clock()
+        except nats.js.errors.KeyWrongLastSequenceError:
+            reason = "another coordinator declared this lease dead"
+        except Exception as e:  # NATS unreachable: renewed later, unless fence_s passes first
+            log.warning("lease %s not renewed (%s: %s)", self.holder, type(e).__name__, e)
+            if not self.valid():
+                reason = f"not renewed for {self.clock() - self._renewed_at:.1f} s"
+        if reason is not None:
+            await self._fenced(reason)
 
     async def _fenced(self, reason: str) -> None:
         old = self.holder
