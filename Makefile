@@ -5,6 +5,7 @@
 #           [COORDINATORS=1] [ROUTERS=1] [PORT=8000]
 #   make down | status | logs [SERVICE=gateway] | test [ARGS=...] | lint | trace ID=... | replay [ID=...] | bench
 #   make observability-tools   Debian's prometheus, for the dashboards test (root; .ci/run runs it)
+#   make host-tools            iproute2 + iptables, for the network-namespace test hosts (root; .ci/run runs it)
 #
 # `up` uses Docker Compose when a Docker engine answers (`docker info`), else `pdserve up`: nats-server and
 # Postgres embedded from wheels, every service a supervised process, logs in var/log (docs/architecture.md §9).
@@ -32,7 +33,7 @@ HAVE_DOCKER = docker info >/dev/null 2>&1
 COMPOSE_UP_disaggregated := up -d
 COMPOSE_UP_colocated := --profile colocated up -d --scale prefill-0=0 --scale decode-0=0
 
-.PHONY: help venv observability-tools up down status logs test lint trace replay bench
+.PHONY: help venv observability-tools host-tools up down status logs test lint trace replay bench
 
 help:
 	@sed -n '1,10p' Makefile | sed 's/^# \{0,1\}//'
@@ -60,6 +61,19 @@ observability-tools:
 		echo "prometheus could not be installed: tests/e2e/test_dashboards.py will skip"; \
 	else \
 		echo "prometheus missing: as root, apt-get install prometheus (tests/e2e/test_dashboards.py skips)"; \
+	fi
+
+# tests/hosts/ makes its test hosts as network namespaces (`ip`, `tc`: iproute2) and, where the kernel has no
+# netem qdisc, delays their links through an iptables NFQUEUE rule (tests/hosts/netns.py). Same pattern.
+host-tools:
+	@if command -v ip >/dev/null && command -v tc >/dev/null && command -v iptables >/dev/null; then \
+		echo "host tools: $$(command -v ip) $$(command -v iptables)"; \
+	elif [ "$$(id -u)" = 0 ] && command -v apt-get >/dev/null; then \
+		(apt-get update -qq && DEBIAN_FRONTEND=noninteractive apt-get install -y -qq --no-install-recommends \
+			iproute2 iptables >/dev/null && echo "host tools: installed iproute2 iptables") || \
+		echo "iproute2/iptables could not be installed: tests/hosts will skip or fail to delay links"; \
+	else \
+		echo "host tools missing: as root, apt-get install iproute2 iptables (tests/hosts skips without root)"; \
 	fi
 
 up:

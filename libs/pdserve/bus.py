@@ -89,7 +89,7 @@ class Bus:
             log.warning("%s: reconnected to NATS", service)
 
         nc = await nats.connect(
-            settings.nats_url,
+            settings.nats_servers,
             **settings.nats_credentials(),
             name=service,
             max_reconnect_attempts=-1,
@@ -103,13 +103,15 @@ class Bus:
         return bus
 
     async def ensure_events_stream(self) -> None:
-        """Create the events stream if absent. File storage: a server restart keeps unrecorded events."""
+        """Create the events stream if absent. File storage: a server restart keeps unrecorded events;
+        `events_replicas` copies on a cluster: the loss of a server keeps them too."""
         config = StreamConfig(
             name=self.settings.events_stream,
             subjects=[self.subjects.all_events],
             retention=RetentionPolicy.LIMITS,
             storage=StorageType.FILE,
             duplicate_window=120.0,
+            num_replicas=self.settings.events_replicas,
         )
         try:
             await self.js.stream_info(self.settings.events_stream)

@@ -54,7 +54,9 @@ class PolicyName(StrEnum):
 class CommonSettings(BaseSettings):
     model_config = SettingsConfigDict(env_prefix="PDS_", extra="ignore")
 
-    nats_url: str = Field("nats://127.0.0.1:4222", description="NATS server with JetStream.")
+    nats_url: str = Field(
+        "nats://127.0.0.1:4222", description="NATS server with JetStream; a cluster as its servers' URLs, "
+        "comma-separated (a client connects to any and fails over to the others).")
     nats_user: str | None = Field(
         None, description="NATS user this process connects as (per-service users: pdserve.nats_auth).")
     nats_password: str | None = Field(None, description="Its password (else read from nats_users_file).")
@@ -66,11 +68,20 @@ class CommonSettings(BaseSettings):
     )
     var_dir: Path = Field(Path("var"), description="Logs (var/log), traces (var/traces), state (var/run).")
     events_stream: str = Field("PDS_EVENTS", description="JetStream stream holding every lifecycle event.")
+    events_replicas: int = Field(
+        1, ge=1, le=5, description="Copies JetStream keeps of the events stream (its num_replicas) when it "
+        "creates it: 3 on a 3-server cluster survives the loss of one server (a RAFT quorum of 2); 1 on a "
+        "single server.")
     subject_prefix: str = Field(
         "pds", description="First token of every NATS subject; tests use their own to share one server."
     )
     log_level: str = Field("INFO", description="Python logging level.")
     metrics_port: int = Field(0, description="Prometheus /metrics port of this process; 0 = any free one.")
+
+    @property
+    def nats_servers(self) -> list[str]:
+        """`nats_url` as the list of server URLs `nats.connect(servers=...)` takes."""
+        return [url.strip() for url in self.nats_url.split(",") if url.strip()]
 
     @property
     def trace_dir(self) -> Path:
@@ -126,8 +137,10 @@ class GatewaySettings(CommonSettings, ModelSettings):
     request_timeout_s: float = Field(300.0, description="Upper bound on one request, end to end.")
     max_model_len: int = Field(2048, description="Prompt + output tokens per request; longer: 400.")
     token_gap_timeout_s: float = Field(
-        5.0, description="How long a hole in a request's token stream may stay open before it fails."
-    )
+        10.0, description="How long a hole in a request's token stream may stay open before it fails. While "
+        "it is open the request's journal (TokensCommitted in JetStream) is read every second to fill it: "
+        "a chunk lost with a NATS server of a cluster is filled once the next commit is stored, which a "
+        "publisher whose server died retries after its 5 s JetStream timeout, hence 10 s (5 s before).")
     cached_tokens_wait_s: float = Field(
         1.0, description="Longest wait, at a request's end, for its PrefillCompleted (usage.cached_tokens).")
     read_your_writes_wait_s: float = Field(
@@ -191,7 +204,7 @@ class RouterSettings(CommonSettings):
     seed: int | None = Field(None, description="Seed of the random and temperature sampling (None = OS).")
     worker_id: str = Field(
         "router", description="This router's name in the stack (`PDS_WORKER_ID`): the sender of the bookings "
-        "it shares with the other routers (routing/shared_load.py).")
+        "it shares with the other routers (routing/active_load.py).")
 
 
 class CoordinatorSettings(CommonSettings):
@@ -231,9 +244,6 @@ class CoordinatorSettings(CommonSettings):
     lease_renew_s: float = Field(
         0.5, description="How often a coordinator renews its lease, seconds; it sweeps for requests of dead "
         "coordinators every max(lease_renew_s, lease_s/4).")
-    lease_replicas: int = Field(
-        1, ge=1, description="Replicas of the lease bucket's stream (3 on a 3-node NATS cluster, as the "
-        "events stream).")
 
     @property
     def lease_bucket(self) -> str:
@@ -246,6 +256,11 @@ class WorkerSettings(CommonSettings, ModelSettings):
     role: Role = Field(Role.DECODE, description="'prefill', 'decode' or 'unified'.")
     kv_transport: KVTransportKind = Field(
         KVTransportKind.UCXX, description="'ucxx' (shared memory on one host) or 'tcp' (asyncio).")
+    kv_host: str = Field(
+        "127.0.0.1", description="The address this worker's KV transport binds and publishes to peers: its "
+        "host's interface address when prefill and decode run on different hosts. Off loopback, UCX runs "
+        "over TCP on the interface holding it (UCX_NET_DEVICES; UCX_TLS overrides, e.g. 'rc,tcp,self' "
+        "where an RDMA device exists), and the tcp transport listens there.")
     kv_transfer_mode: KVTransferMode = Field(
         KVTransferMode.LAYERWISE, description="Prefill role: 'layerwise' sends each layer's KV as soon as it "
         "is computed; 'naive' sends all of it after the whole prefill (the baseline of "

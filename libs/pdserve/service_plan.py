@@ -105,7 +105,7 @@ def service_plan(mode: str, n_prefill: int = 1, n_decode: int = 1, n_coordinator
     role 'unified'), so both modes compare on the same number of worker processes (cores).
     `n_routers` routers (router, router-1, …) and `n_coordinators` coordinators (coordinator,
     coordinator-1, …) run at once: the control plane without a single point of failure
-    (docs/architecture.md §13).
+    (docs/architecture.md §14).
     The gateway comes last so that its /health answering means every other process was started.
     Raises ValueError on an unknown mode, a worker count below 1 (disaggregated needs one of each) or
     fewer than one coordinator or router.

@@ -18,9 +18,10 @@ EVERY_N_ENV = "PDS_TEST_KV_CORRUPT_EVERY_N"
 TARGET_ENV = "PDS_TEST_KV_CORRUPT_TARGET"
 
 
-def corrupting_transport(kind: KVTransportKind) -> CorruptingTransport:
+def corrupting_transport(kind: KVTransportKind, host: str = "127.0.0.1") -> CorruptingTransport:
     only = is_state_transfer if os.environ.get(TARGET_ENV) == "state" else None
-    return CorruptingTransport(make_transport(kind), every_n=int(os.environ.get(EVERY_N_ENV, "0")), only=only)
+    return CorruptingTransport(make_transport(kind, host), every_n=int(os.environ.get(EVERY_N_ENV, "0")),
+                               only=only)
 
 
 if __name__ == "__main__":

@@ -1,4 +1,4 @@
-"""No single point of failure in the control plane (docs/architecture.md §13): a stack with two
+"""No single point of failure in the control plane (docs/architecture.md §14): a stack with two
 coordinators and two routers; under concurrent load, kill -9 of the coordinator that owns the most
 requests and of one router. Every request ends completed with the uninterrupted greedy output, and the
 event log shows one owner per request at a time (a change of owner only by a `RequestTakenOver` from the

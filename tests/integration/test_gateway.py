@@ -139,6 +139,32 @@ async def test_a_hole_in_the_token_stream_fails_the_request_and_aborts(client, c
     assert (await coord.abort_of(r.headers["x-request-id"])).reason == "token stream gap"
 
 
+async def test_chunks_lost_on_core_nats_are_filled_from_the_journal(bus, coord, tokenizer, gw_settings, db):
+    """A NATS server of a cluster dying drops the chunks in flight through it: the gateway reads the
+    request's TokensCommitted (and terminal event) from JetStream instead of failing on the hole."""
+    from pdserve.events import RequestCompleted, TokensCommitted, TTFTBreakdown
+
+    ttft = TTFTBreakdown(queue_s=0, route_s=0, reserve_s=0, prefill_s=0, exposed_transfer_s=0,
+                         first_token_s=0, ttft_s=0)
+
+    def script(req: Submit) -> list:
+        rid = req.request_id
+        return [TokenChunk(request_id=rid, index=0, token_ids=(5, 6)),
+                TokensCommitted(start_index=0, token_ids=[5, 6, 7, 8]),  # chunk (7, 8) lost on the way
+                TokenChunk(request_id=rid, index=4, token_ids=(9,)),
+                # the last chunk lost too: nothing is ahead of a hole, the silence sends the gateway to read
+                RequestCompleted(finish_reason=FinishReason.LENGTH, prompt_tokens=1, completion_tokens=5,
+                                 ttft=ttft, e2e_s=0.1)]
+    coord.script = script
+    app = create_app(bus, tokenizer, gw_settings.model_copy(update={"token_gap_timeout_s": 3.0}), db)
+    async with httpx.AsyncClient(transport=httpx.ASGITransport(app), base_url="http://gw") as c:
+        r = await c.post("/v1/completions", json={"model": MODEL, "prompt": "hi", "max_tokens": 5})
+    assert r.status_code == 200, r.text
+    assert r.json()["choices"][0]["text"] == tokenizer.decode([5, 6, 7, 8, 9])
+    assert r.json()["choices"][0]["finish_reason"] == "length"
+    assert coord.aborts == [] or all(a.request_id != r.headers["x-request-id"] for a in coord.aborts)
+
+
 # ------------------------------------------------------------------ streamed
 
 

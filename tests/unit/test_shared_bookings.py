@@ -1,4 +1,4 @@
-"""Two routers at once (docs/architecture.md §13): each books the other's placements (`RouteBooked`), so
+"""Two routers at once (docs/architecture.md §14): each books the other's placements (`RouteBooked`), so
 a burst split between them spreads over the workers as one router's would, instead of each router
 sending its half to the workers it alone believes idle."""
 

@@ -147,7 +147,7 @@ async def _delete_stream(nats_url: str, stream: str) -> None:
     import nats
     from nats.js.errors import NotFoundError
 
-    nc = await nats.connect(nats_url)
+    nc = await nats.connect([u.strip() for u in nats_url.split(",") if u.strip()])
     try:
         await nc.jetstream().delete_stream(stream)
     except NotFoundError:

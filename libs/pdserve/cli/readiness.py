@@ -16,13 +16,16 @@ def heartbeating(
 ) -> set[str]:
     """The ids among `worker_ids` whose heartbeat (`subjects.heartbeat(id)`) arrives within `window_s`
     seconds; workers beat every `heartbeat_interval_s` (0.5 s by default). Empty when NATS does not answer.
+    `nats_url`: one server's URL, or a cluster's, comma-separated (as `PDS_NATS_URL`).
     `credentials`: `user` / `password` when the server requires them (`StackState.nats_admin_credentials`)."""
+
+    servers = [url.strip() for url in nats_url.split(",") if url.strip()]
 
     async def listen() -> set[str]:
         heard: set[str] = set()
         try:
             nc = await asyncio.wait_for(  # nats-py retries a refused first connect on its own
-                nats.connect(nats_url, connect_timeout=1, max_reconnect_attempts=0, allow_reconnect=False,
+                nats.connect(servers, connect_timeout=1, max_reconnect_attempts=0, allow_reconnect=False,
                              **(credentials or {})),
                 timeout=window_s,
             )

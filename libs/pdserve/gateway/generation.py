@@ -2,7 +2,11 @@
 
 docs/architecture.md §3 step 1: subscribe to `pds.tokens.<request_id>` before submitting (no chunk can be
 missed), emit `RequestReceived`, send `Submit` to the coordinator, then turn `TokenChunk`s into text:
-reorder and dedupe (`ChunkReassembler`), detokenize incrementally, cut at stop strings. Whenever the
+reorder and dedupe (`ChunkReassembler`), detokenize incrementally, cut at stop strings. Token chunks ride
+core NATS, at most once: a chunk lost on the way (a NATS server of a cluster died with it in flight) is
+filled from the request's journal, its `TokensCommitted` and terminal events in JetStream, read every
+`JOURNAL_POLL_S` while a gap stays open and once the stream has been silent for the gap timeout (a lost
+last chunk leaves no gap behind it). Whenever the
 gateway ends a request the workers still run (stop string, client gone, timeout, a hole in the stream), it
 sends `Abort` so they free it.
 """
@@ -26,7 +30,8 @@ from pdserve.gateway.errors import APIError, from_rejection
 from pdserve.gateway.prompt import PreparedRequest, Tokenizer
 from pdserve.gateway.responses import Usage
 from pdserve.gateway.stop_strings import StopStringMatcher
-from pdserve.gateway.token_stream import ChunkReassembler
+from pdserve.gateway.token_stream import ChunkReassembler, event_chunk
+from pdserve.lifecycle.journal import request_events
 from pdserve.messages import Abort, Accepted, Ack, FinishReason, Submit, TokenChunk, TokenLogprobs
 
 log = logging.getLogger(__name__)
@@ -34,6 +39,8 @@ log = logging.getLogger(__name__)
 SUBMIT_TRY_S = 2.0  # one Submit's wait for Accepted (a live coordinator answers in milliseconds)
 SUBMIT_WAIT_S = 15.0  # how long a Submit is retried while no coordinator answers: then 503
 ABORT_TIMEOUT_S = 2.0  # an Abort is best effort: the coordinator's own deadlines free the request anyway
+JOURNAL_POLL_S = 1.0  # while a gap is open, the journal is read this often (tokens commit every 16)
+JOURNAL_READ_TIMEOUT_S = 2.0
 
 CLIENT_DISCONNECTED = "client disconnected"
 REQUEST_TIMEOUT = "request timeout"
@@ -202,11 +209,21 @@ class Generation:
         return Usage.of(self.num_prompt_tokens, self.num_output_tokens, self.num_cached_tokens)
 
     async def _next_chunk(self, gap_deadline: float | None) -> TokenChunk:
-        wait_until = self.deadline if gap_deadline is None else min(self.deadline, gap_deadline)
-        try:
-            async with asyncio.timeout(max(wait_until - time.monotonic(), 0.0)):
-                item = await self._queue.get()
-        except TimeoutError:
+        silence_deadline = time.monotonic() + self.gap_timeout_s
+        while True:
+            now = time.monotonic()
+            poll = now + JOURNAL_POLL_S if gap_deadline is not None else silence_deadline
+            wait_until = min(self.deadline, poll if gap_deadline is None else min(gap_deadline, poll))
+            try:
+                async with asyncio.timeout(max(wait_until - now, 0.0)):
+                    item = await self._queue.get()
+                break
+            except TimeoutError:
+                now = time.monotonic()
+                if now < self.deadline and (gap_deadline is None or now < gap_deadline):
+                    await self._fill_from_journal()  # puts what the journal holds into the queue
+                    silence_deadline = now + self.gap_timeout_s
+                    continue
             if gap_deadline is not None and gap_deadline < self.deadline:
                 self.abort(TOKEN_GAP)
                 raise APIError(502, f"Output tokens from index {self.num_output_tokens} never arrived "
@@ -218,6 +235,19 @@ class Generation:
             raise ClientDisconnected(self.request_id)
         assert isinstance(item, TokenChunk)
         return item
+
+    async def _fill_from_journal(self) -> None:
+        """Queue, as chunks, what the request's stored events say about its output (the reassembler drops
+        what it has already). A failed read (NATS failing over) is logged; the next poll tries again."""
+        try:
+            async with asyncio.timeout(JOURNAL_READ_TIMEOUT_S):
+                records = await request_events(self.bus, self.request_id)
+        except Exception as e:
+            log.info("journal read of %s failed: %r", self.request_id, e)
+            return
+        for rec in records:
+            if (chunk := event_chunk(rec.event)) is not None:
+                self._queue.put_nowait(chunk)
 
     def disconnect(self) -> None:
         """The client left: abort the request unless it already ended, and wake `deltas()` (which then
@@ -254,7 +284,7 @@ class Generation:
 
     async def _submit(self, submit: Submit) -> None:
         """Send the Submit, again every `SUBMIT_TRY_S` without an answer, for up to `SUBMIT_WAIT_S`: the
-        coordinator it reached may have died with it (several run at once, docs/architecture.md §13). A
+        coordinator it reached may have died with it (several run at once, docs/architecture.md §14). A
         Submit is idempotent: a coordinator accepts a request another one owns without running it twice.
         Raises `BusTimeout` when none answers (at once when no coordinator subscribes at all: the client
         is told to retry), `RejectedError` on a refusal."""

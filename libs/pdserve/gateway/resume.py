@@ -20,45 +20,22 @@ from __future__ import annotations
 import logging
 import time
 
-from pydantic import ValidationError
 from sqlalchemy.ext.asyncio import AsyncEngine
 
 from pdserve.bus import Bus
 from pdserve.events import (
     Event,
-    RequestAborted,
-    RequestCompleted,
-    RequestFailed,
     RequestReceived,
-    TokensCommitted,
 )
 from pdserve.gateway.errors import APIError
 from pdserve.gateway.generation import Generation
 from pdserve.gateway.prompt import PreparedRequest, Tokenizer
+from pdserve.gateway.token_stream import event_chunk
 from pdserve.lifecycle.journal import request_events
 from pdserve.messages import FinishReason, TokenChunk
 from pdserve.store import queries
 
 log = logging.getLogger(__name__)
-
-
-def event_chunk(event: Event) -> TokenChunk | None:
-    """What one event of the request says about its token stream, as a chunk (None: nothing)."""
-    try:
-        p = event.typed_payload()
-    except ValidationError:
-        return None
-    rid = event.request_id
-    match p:
-        case TokensCommitted():
-            return TokenChunk(request_id=rid, index=p.start_index, token_ids=tuple(p.token_ids))
-        case RequestCompleted():
-            return TokenChunk(request_id=rid, index=p.completion_tokens, finish_reason=p.finish_reason)
-        case RequestFailed():
-            return TokenChunk(request_id=rid, index=0, error=f"{p.phase}: {p.reason}")
-        case RequestAborted():
-            return TokenChunk(request_id=rid, index=0, error=f"aborted: {p.reason}")
-    return None
 
 
 async def stored_events(bus: Bus, db: AsyncEngine | None, request_id: str) -> list[Event]:

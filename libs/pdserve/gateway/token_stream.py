@@ -3,13 +3,17 @@
 Chunks travel on core NATS (at most once, and a resumed or migrated request may resend tokens it already
 sent), so the gateway orders them by `index` (position of `token_ids[0]` in the output), drops what it
 already has, and keeps chunks that arrive ahead of a gap until the gap is filled. The caller decides how
-long a gap may stay open (`has_gap`).
+long a gap may stay open (`has_gap`). `event_chunk` turns the request's journal (its stored events) into
+the same chunks, which fill what core NATS lost.
 """
 
 from __future__ import annotations
 
 from typing import NamedTuple
 
+from pydantic import ValidationError
+
+from pdserve.events import Event, RequestAborted, RequestCompleted, RequestFailed, TokensCommitted
 from pdserve.messages import FinishReason, TokenChunk, TokenLogprobs
 
 
@@ -80,3 +84,22 @@ class ChunkReassembler:
             ends and len(chunk.token_ids) == len(held.token_ids)
         ):
             self._ahead[chunk.index] = chunk
+
+
+def event_chunk(event: Event) -> TokenChunk | None:
+    """What one event of the request says about its token stream, as a chunk (None: nothing)."""
+    try:
+        p = event.typed_payload()
+    except ValidationError:
+        return None
+    rid = event.request_id
+    match p:
+        case TokensCommitted():
+            return TokenChunk(request_id=rid, index=p.start_index, token_ids=tuple(p.token_ids))
+        case RequestCompleted():
+            return TokenChunk(request_id=rid, index=p.completion_tokens, finish_reason=p.finish_reason)
+        case RequestFailed():
+            return TokenChunk(request_id=rid, index=0, error=f"{p.phase}: {p.reason}")
+        case RequestAborted():
+            return TokenChunk(request_id=rid, index=0, error=f"aborted: {p.reason}")
+    return None

@@ -1,6 +1,6 @@
 """The coordinator's state: the lifecycles in flight, the commands that touch them, and recovery.
 
-Several coordinators may run at once (docs/architecture.md §13): each request is owned by the one whose
+Several coordinators may run at once (docs/architecture.md §14): each request is owned by the one whose
 lease key names it (lifecycle/ownership.py). A Submit reaches one coordinator of the `coordinator` queue
 group, which claims the request's lease and runs it; a coordinator whose lease expires (killed, stalled,
 cut off) has its requests taken over by another's sweep, which folds their events from the log and

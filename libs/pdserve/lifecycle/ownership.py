@@ -1,4 +1,4 @@
-"""Which coordinator owns each request: leases in a JetStream KV bucket (docs/architecture.md §13).
+"""Which coordinator owns each request: leases in a JetStream KV bucket (docs/architecture.md §14).
 
 Several coordinators run at once; a Submit reaches one of them (the `coordinator` queue group), and every
 request is owned by exactly one coordinator at a time. The bucket (`CoordinatorSettings.lease_bucket`)
@@ -120,7 +120,7 @@ class Ownership:
             try:
                 self.kv = await js.create_key_value(KeyValueConfig(
                     bucket=self.settings.lease_bucket, history=1, storage=StorageType.FILE,
-                    replicas=self.settings.lease_replicas))
+                    replicas=self.settings.events_replicas))
             except nats.js.errors.BadRequestError:  # created concurrently by another coordinator
                 self.kv = await js.key_value(self.settings.lease_bucket)
         await self._join()

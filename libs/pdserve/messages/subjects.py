@@ -30,7 +30,7 @@ class Subjects:
 
     @property
     def booked(self) -> str:
-        """Each router's placements (`RouteBooked`), heard by every router (routing/shared_load.py)."""
+        """Each router's placements (`RouteBooked`), heard by every router (routing/active_load.py)."""
         return f"{self.prefix}.router.booked"
 
     def worker(self, worker_id: str, command: Literal["reserve", "prefill", "start", "release"]) -> str:

@@ -10,7 +10,7 @@ and terminal events. Bookings older than `max_age_s` are dropped, so a lost even
 Several routers may run at once, each answering part of the placements (the `router` queue group); each
 publishes what it booked (`RouteBooked` on `pds.router.booked`) and books what the others publish
 (`book_peer`), so that none of them places on a worker as if the others' placements of the last moment
-were not there (docs/architecture.md §13). Every router hears every request's `PrefillCompleted` and
+were not there (docs/architecture.md §14). Every router hears every request's `PrefillCompleted` and
 terminal event, so each releases every booking itself. A peer's booking heard after its request's end
 (the release raced it) is not booked: the last `ENDED_MEMORY` ended request ids are remembered.
 

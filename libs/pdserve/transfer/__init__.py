@@ -18,16 +18,18 @@ from pdserve.transfer.base import (
 )
 
 
-def make_transport(kind: KVTransportKind | str) -> KVTransport:
-    """A new, not yet started transport of `kind` ('ucxx' | 'tcp'). Raises ValueError for another kind."""
+def make_transport(kind: KVTransportKind | str, host: str = "127.0.0.1") -> KVTransport:
+    """A new, not yet started transport of `kind` ('ucxx' | 'tcp') that binds and publishes `host`, the
+    address peers reach it at (`PDS_KV_HOST`: the host's interface address when peers are on other
+    hosts). Raises ValueError for another kind."""
     if kind == KVTransportKind.UCXX:
         from pdserve.transfer.ucxx_transport import UcxxTransport
 
-        return UcxxTransport()
+        return UcxxTransport(host)
     if kind == KVTransportKind.TCP:
         from pdserve.transfer.tcp_transport import TcpTransport
 
-        return TcpTransport()
+        return TcpTransport(host)
     raise ValueError(f"unknown KV transport {kind!r}: expected 'ucxx' or 'tcp'")
 
 

@@ -23,9 +23,9 @@ log = logging.getLogger(__name__)
 
 
 def run_worker(default_role: Role,
-               make_transport: Callable[[KVTransportKind], KVTransport] = make_transport) -> None:
-    """Run a worker process. `make_transport(kind)` builds its KV transport (a test wraps the real one to
-    inject faults: tests/faults/corrupting.py)."""
+               make_transport: Callable[[KVTransportKind, str], KVTransport] = make_transport) -> None:
+    """Run a worker process. `make_transport(kind, host)` builds its KV transport bound to `PDS_KV_HOST`
+    (a test wraps the real one to inject faults: tests/faults/corrupting.py)."""
     settings = WorkerSettings()
     if "PDS_ROLE" not in os.environ:
         settings.role = default_role
@@ -39,7 +39,7 @@ def run_worker(default_role: Role,
         loaded = await asyncio.to_thread(load_model, settings.model, settings.weights_cache_dir)
         transport = None
         if settings.role is not Role.UNIFIED:
-            transport = make_transport(settings.kv_transport)
+            transport = make_transport(settings.kv_transport, settings.kv_host)
             await transport.start()
         worker = Worker(bus, settings, loaded, transport)
         metrics.init_worker_series(settings.worker_id, receives_kv=settings.role is not Role.PREFILL)

@@ -1,0 +1,105 @@
+"""Must-show 2 of issue 20 (its first two faults), on the test hosts under concurrent streamed load:
+
+- kill -9 of the NATS server that leads the events stream: every request completes, equal to the greedy
+  oracle token for token, and no event is lost (the stream's 3 replicas keep it; every service fails over
+  to another server of its list; the event log holds exactly what the stream holds);
+- the decode host's link cut mid-stream (`ip link set … down`): its requests migrate to the decode worker
+  on another host and complete with the same greedy output.
+
+The stack serves the tiny model (the mechanism under test is the network, not the model): recorder,
+router, coordinator and gateway on `control`, prefill-0 and decode-1 on `prefill`, decode-0 on `decode`.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import threading
+from collections.abc import Iterator
+
+import pytest
+import sqlalchemy as sa
+
+from tests.faults.conftest import FAULT_ENV, open_store
+from tests.faults.load import PROMPTS, check_results, expected_outputs, recorded_lifecycles, run_load
+from tests.hosts.stack import HostStack
+
+pytestmark = [pytest.mark.hosts, pytest.mark.faults, pytest.mark.stack]
+MAX_TOKENS = 96
+LINK_DOWN_S = 6.0  # past the coordinator's worker_timeout_s (2 s): the decode worker is dead to it
+
+
+@pytest.fixture(scope="module")
+def hosts_fault_stack(host_settings, hosts, tmp_path_factory) -> Iterator[HostStack]:
+    stack = HostStack(host_settings("hostfaults"), tmp_path_factory.mktemp("hosts-fault-stack"), hosts,
+                      placement={"decode-1": "prefill"}, env=FAULT_ENV, model="tiny", n_prefill=1,
+                      n_decode=2)
+    try:
+        yield stack.start()
+    finally:
+        stack.stop()
+
+
+@pytest.fixture(scope="module")
+def tiny_reference(tmp_path_factory):
+    """(model, tokenizer) of the tiny Llama in this process: the greedy oracle."""
+    from pdserve.engine.loader import load_model
+    from pdserve.engine.model import LlamaModel
+
+    loaded = load_model("tiny", tmp_path_factory.mktemp("tiny-weights"))
+    return LlamaModel(loaded.config, loaded.weights), loaded.tokenizer
+
+
+async def no_event_lost(store, stream: str) -> None:
+    """The event log (Postgres) holds exactly the events the stream holds: none lost, none twice."""
+    db, bus = store
+    info = await bus.js.stream_info(stream)
+    async with db.connect() as conn:
+        rows = (await conn.execute(sa.text("SELECT count(*), count(DISTINCT event_id) FROM events"))).one()
+    assert rows[0] == rows[1] == info.state.messages, (rows, info.state.messages)
+
+
+async def test_nats_server_killed_under_load_loses_no_request_and_no_event(
+    hosts_fault_stack, nats_cluster, hosts, tiny_reference
+):
+    stack = hosts_fault_stack
+    async with open_store(stack.settings) as store:
+        info = await store[1].js.stream_info(stack.settings.events_stream)
+        victim = hosts[info.cluster.leader]  # the server leading the events stream: the hardest loss
+        results = await asyncio.to_thread(run_load, stack.url, PROMPTS, MAX_TOKENS,
+                                          lambda: nats_cluster.kill(victim))
+        try:
+            lifecycles = await recorded_lifecycles(store, [r.request_id for r in results])
+            check_results(results, expected_outputs(tiny_reference, PROMPTS, MAX_TOKENS), tiny_reference[1],
+                          lifecycles)
+            await no_event_lost(store, stack.settings.events_stream)
+        finally:
+            await asyncio.to_thread(nats_cluster.restart, victim)
+            await asyncio.to_thread(nats_cluster.wait_jetstream)
+
+
+async def test_decode_host_link_cut_mid_stream_migrates_its_requests_with_identical_greedy_output(
+    hosts_fault_stack, hosts, tiny_reference
+):
+    stack = hosts_fault_stack
+    decode = hosts["decode"]
+
+    restore = threading.Timer(LINK_DOWN_S, decode.restore_link)
+
+    def cut() -> None:
+        decode.cut_link()
+        restore.start()
+
+    try:
+        results = await asyncio.to_thread(run_load, stack.url, PROMPTS, MAX_TOKENS, cut)
+    finally:
+        if restore.is_alive():
+            restore.join()
+        decode.restore_link()
+    async with open_store(stack.settings) as store:
+        lifecycles = await recorded_lifecycles(store, [r.request_id for r in results])
+        check_results(results, expected_outputs(tiny_reference, PROMPTS, MAX_TOKENS), tiny_reference[1],
+                      lifecycles)
+        await no_event_lost(store, stack.settings.events_stream)
+    migrated = [rid for rid, evs in lifecycles.items() if any(
+        e.type == "RequestMigrated" and e.payload["from_worker_id"] == "decode-0" for e in evs)]
+    assert migrated, "no request was decoding on the decode host when its link was cut"
