@@ -15,8 +15,14 @@ before the run, so a run can be repeated:
 - `kill`: kill -9 of one service of the stack, drawn at random (workers, coordinators, routers, recorder,
   gateway), started again 1 s later under the same name (as `pdserve up`'s supervisor does);
 - `postgres`: Postgres stopped for 10 s, then started;
-- `nats`: the NATS server killed and started again on its port (the one node of this stack: a node of a
-  cluster is the `hosts` stack's).
+- `nats`: kill -9 of one server of the NATS cluster, started again 5 s later (on one host without
+  namespaces: the one NATS server, restarted at once);
+- `link`: the prefill or the decode host's link cut for 5 s, then restored (namespace hosts only).
+
+With root (`--hosts auto`, the default, where network namespaces can be made) the stack runs on three
+test hosts (tests/hosts): control (gateway, recorder, coordinator, router), prefill (both prefill
+workers, coordinator-1), decode (both decode workers, router-1), a 3-server NATS cluster across them
+with the events stream and the lease bucket on 3 replicas, Postgres relayed onto their bridge.
 
 Reported (soak.json, soak.md, soak.png under `--out`): requests completed / failed with a reason / hung
 (no terminal event in the log and no answer: must be 0); events lost (messages in the JetStream stream
@@ -36,13 +42,15 @@ import os
 import platform
 import random
 import statistics
+import subprocess
 import sys
 import tempfile
 import threading
 import time
 from concurrent.futures import ThreadPoolExecutor
-from dataclasses import asdict, dataclass, field
+from dataclasses import asdict, dataclass
 from pathlib import Path
+from typing import Any
 
 import sqlalchemy as sa
 from rich.console import Console
@@ -63,10 +71,15 @@ from tests.e2e.stack import Stack  # noqa: E402
 from tests.faults.load import Result, stream_one  # noqa: E402
 
 console = Console()
-KINDS = ("kill", "postgres", "nats")
-KIND_WEIGHTS = (6, 2, 1)
+KINDS = ("kill", "postgres", "nats", "link")
+KIND_WEIGHTS = (5, 1, 2, 2)
 KILL_DOWN_S = 1.0
 PG_DOWN_S = 10.0
+NATS_DOWN_S = 5.0
+LINK_DOWN_S = 5.0
+HOST_NAMES = ["control", "prefill", "decode"]
+# On the namespace hosts, the second coordinator and router sit with the pools: a link cut isolates them too.
+PLACEMENT = {"coordinator-1": "prefill", "router-1": "decode"}
 CONNECT_RETRY_S = 30.0
 WORDS = ("the sea", "a river", "the old house", "seven stones", "a quiet city", "the first snow",
          "my brother", "a letter", "the last train", "a small garden", "the north wind", "two birds",
@@ -100,17 +113,47 @@ class Outcome:
 
 @dataclass
 class Servers:
-    """The stack's embedded NATS and Postgres, which the faults stop and start."""
+    """The stack's servers, which the faults stop and start: an embedded Postgres, and either one embedded
+    NATS (`nats`) or, on namespace hosts, a 3-server cluster across them (`cluster`, `hosts`)."""
 
     root: Path
-    nats_port: int
-    nats: EmbeddedServer
     pg: EmbeddedServer
-    lock: threading.Lock = field(default_factory=threading.Lock)
+    nats_port: int = 0
+    nats: EmbeddedServer | None = None
+    hosts: Any = None  # tests.hosts.netns.Hosts
+    cluster: Any = None  # tests.hosts.nats_cluster.NatsCluster
+    relay: subprocess.Popen | None = None
 
-    def restart_nats(self) -> None:
-        self.nats.stop()
-        self.nats = start_nats(self.root / "nats", self.nats_port)
+    def nats_fault(self, target: str) -> None:
+        if self.cluster is not None:
+            host = self.hosts[target]
+            self.cluster.kill(host)
+            time.sleep(NATS_DOWN_S)
+            self.cluster.restart(host)
+        else:
+            assert self.nats is not None
+            self.nats.stop()
+            self.nats = start_nats(self.root / "nats", self.nats_port)
+
+    def link_fault(self, target: str) -> None:
+        host = self.hosts[target]
+        host.cut_link()
+        try:
+            time.sleep(LINK_DOWN_S)
+        finally:
+            host.restore_link()
+
+    def stop(self) -> None:
+        if self.relay is not None:
+            self.relay.terminate()
+            self.relay.wait(10)
+        if self.cluster is not None:
+            self.cluster.stop()
+        if self.hosts is not None:
+            self.hosts.destroy()
+        if self.nats is not None:
+            self.nats.stop()
+        self.pg.stop()
 
     def stop_pg(self) -> None:
         self.pg.stop()
@@ -124,15 +167,21 @@ def prompts(n: int, seed: int) -> list[str]:
     return [f"Tell me about {rng.choice(WORDS)} and {rng.choice(WORDS)}, number {i}." for i in range(n)]
 
 
-def schedule(seed: int, duration_s: float, every_s: float, services: list[str]) -> list[Fault]:
+def schedule(seed: int, duration_s: float, every_s: float, services: list[str],
+             on_hosts: bool) -> list[Fault]:
     """The faults, one every `every_s` from `every_s` on, none in the last 1.5 intervals (the run's tail
-    has to show recovery too)."""
+    has to show recovery too). Link cuts only on namespace hosts (of a pool's host: the control host
+    carries the gateway the client talks to)."""
     rng = random.Random(seed)
+    kinds = [(k, w) for k, w in zip(KINDS, KIND_WEIGHTS, strict=True) if on_hosts or k != "link"]
     out: list[Fault] = []
     t = every_s
     while t < duration_s - 1.5 * every_s:
-        kind = rng.choices(KINDS, KIND_WEIGHTS)[0]
-        out.append(Fault(round(t, 1), kind, rng.choice(services) if kind == "kill" else kind))
+        kind = rng.choices([k for k, _ in kinds], [w for _, w in kinds])[0]
+        target = {"kill": lambda: rng.choice(services), "postgres": lambda: "postgres",
+                  "nats": lambda: rng.choice(HOST_NAMES) if on_hosts else "nats",
+                  "link": lambda: rng.choice(HOST_NAMES[1:])}[kind]()
+        out.append(Fault(round(t, 1), kind, target))
         t += every_s
     return out
 
@@ -171,7 +220,9 @@ def fire(f: Fault, stack: Stack, servers: Servers) -> None:
             time.sleep(PG_DOWN_S)
             servers.start_pg()
         elif f.kind == "nats":
-            servers.restart_nats()
+            servers.nats_fault(f.target)
+        elif f.kind == "link":
+            servers.link_fault(f.target)
     except Exception as e:  # recorded: the soak goes on
         f.error = f"{type(e).__name__}: {e}"
     f.restored_ts = time.time()
@@ -184,6 +235,9 @@ def run_faults(faults: list[Fault], t0: float, stack: Stack, servers: Servers, s
                 return
         console.print(f"[yellow]fault[/] {f.kind} {f.target} at {time.time() - t0:.1f} s")
         fire(f, stack, servers)
+    # This thread lives to the end of the run: a server it started dies with it (PR_SET_PDEATHSIG follows
+    # the thread that forked, pdserve.embedded.child_dies_with_parent).
+    stop.wait()
 
 
 async def log_check(settings: CommonSettings, db_url: str, outcomes: list[Outcome]) -> dict:
@@ -285,6 +339,9 @@ def summarize(faults: list[Fault], outcomes: list[Outcome], log: dict, args: arg
         "undisturbed_requests": len(base),
         "by_kind": kinds,
         "faults": [asdict(f) for f in faults],
+        "requests_log": [  # [submitted s after the first, latency s, outcome]
+            [round(o.submitted_ts - outcomes[0].submitted_ts, 2), round(o.ended_ts - o.submitted_ts, 3),
+             o.outcome] for o in outcomes],
     }
 
 
@@ -297,8 +354,12 @@ def write(summary: dict, outcomes: list[Outcome], t0: float, out: Path) -> None:
         "",
         f"`python benchmarks/soak.py --requests {c['requests']} --rate {c['rate']} --max-tokens "
         f"{c['max_tokens']} --seed {c['seed']} --fault-every {c['fault_every']}` — tiny model, 2 prefill "
-        f"+ 2 decode workers, 2 coordinators, 2 routers, embedded NATS and Postgres; "
-        f"{summary['machine']['cpus']} shared CPUs; {summary['wall_s']} s.",
+        f"+ 2 decode workers, 2 coordinators, 2 routers; "
+        + ("3 network-namespace hosts (control: gateway, recorder, coordinator, router; prefill: the prefill "
+           "workers, coordinator-1; decode: the decode workers, router-1), a 3-server NATS cluster across "
+           "them (events stream and leases on 3 replicas), Postgres relayed onto their bridge; "
+           if c.get("on_hosts") else "one embedded NATS server and Postgres; ")
+        + f"{summary['machine']['cpus']} shared CPUs; {summary['wall_s']} s.",
         "",
         "| requests | completed | failed (with a reason) | hung | events lost | outputs ≠ greedy reference |",
         "|---|---|---|---|---|---|",
@@ -358,23 +419,39 @@ def main() -> int:
     p.add_argument("--seed", type=int, default=7)
     p.add_argument("--fault-every", type=float, default=20.0, help="seconds between faults")
     p.add_argument("--out", type=Path, default=Path("docs/benchmarks"))
+    p.add_argument("--hosts", choices=("auto", "on", "off"), default="auto",
+                   help="run on 3 network-namespace hosts with a 3-server NATS cluster (auto: where root "
+                   "can make them)")
     args = p.parse_args()
 
     root = Path(tempfile.mkdtemp(prefix="pds-soak-"))
     os.environ["PDS_COMMIT_EVERY_TOKENS"] = "8"
-    port = free_port()
-    servers = Servers(root, port, start_nats(root / "nats", port), start_postgres(root / "pg"))
+    from tests.hosts.netns import unavailable
+
+    reason = unavailable() if args.hosts != "off" else "--hosts off"
+    if reason and args.hosts == "on":
+        raise SystemExit(f"no namespace hosts: {reason}")
+    on_hosts = not reason
+    servers = Servers(root, start_postgres(root / "pg"))
     db_url = create_database(servers.pg.url, "pdserve_soak")
     upgrade(db_url)
-    settings = CommonSettings(nats_url=servers.nats.url, database_url=db_url, subject_prefix="soak",
-                              events_stream="PDS_EVENTS_SOAK", var_dir=root / "var")
-    stack = Stack(settings, root / "stack", model="tiny", n_prefill=2, n_decode=2, n_coordinators=2,
-                  n_routers=2)
+    base = {"subject_prefix": "soak", "events_stream": "PDS_EVENTS_SOAK", "var_dir": root / "var"}
+    n = {"model": "tiny", "n_prefill": 2, "n_decode": 2, "n_coordinators": 2, "n_routers": 2}
+    if on_hosts:
+        stack = on_namespace_hosts(servers, db_url, base, n)
+    else:
+        console.print(f"[yellow]no namespace hosts ({reason}): one host, one NATS server[/]")
+        servers.nats_port = free_port()
+        servers.nats = start_nats(root / "nats", servers.nats_port)
+        settings = CommonSettings(nats_url=servers.nats.url, database_url=db_url, **base)
+        stack = Stack(settings, root / "stack", **n)
+    settings = stack.settings
     texts = prompts(args.prompts, args.seed)
     duration = args.requests / args.rate
     services = [s.name for s in stack.plan]
-    faults = schedule(args.seed, duration, args.fault_every, services)
+    faults = schedule(args.seed, duration, args.fault_every, services, on_hosts)
     print_schedule(faults, args.seed)
+    args.on_hosts = on_hosts
     try:
         console.print(f"stack under {root} (logs there); computing the greedy reference …")
         expected = reference_texts(texts, args.max_tokens, settings.var_dir)
@@ -384,7 +461,8 @@ def main() -> int:
         t0 = time.time()
         chaos = threading.Thread(target=run_faults, args=(faults, t0, stack, servers, stop), daemon=True)
         chaos.start()
-        with ThreadPoolExecutor(256) as pool, tqdm(total=args.requests, desc="requests") as bar:
+        bar = tqdm(total=args.requests, desc="requests", mininterval=5)
+        with ThreadPoolExecutor(256) as pool, bar:
             futures = []
             for o in outcomes:
                 delay = t0 + o.index / args.rate - time.time()
@@ -406,12 +484,38 @@ def main() -> int:
         write(summary, outcomes, t0, args.out)
     finally:
         stack.stop()
-        servers.nats.stop()
-        servers.pg.stop()
-    console.print_json(json.dumps({k: v for k, v in summary.items() if k not in ("faults", "config")}))
+        servers.stop()
+    console.print_json(json.dumps({k: v for k, v in summary.items()
+                                   if k not in ("faults", "config", "requests_log")}))
     ok = summary["hung"] == 0 and summary["events_lost"] == 0 and summary["outputs_differ"] == 0
     console.print("[green]soak passed[/]" if ok else "[red]soak failed[/]")
     return 0 if ok else 1
+
+
+def on_namespace_hosts(servers: Servers, db_url: str, base: dict, n: dict) -> Stack:
+    """The stack on three namespace hosts (tests/hosts): a NATS cluster across them, the events stream
+    and the lease bucket on 3 replicas, Postgres relayed onto their bridge."""
+    from sqlalchemy.engine import make_url
+
+    from tests.hosts.nats_cluster import NatsCluster
+    from tests.hosts.netns import ROOT, Hosts
+    from tests.hosts.stack import HostStack
+
+    servers.hosts = hosts = Hosts.create(HOST_NAMES)
+    servers.cluster = NatsCluster(list(hosts), servers.root / "nats-cluster", f"pds{hosts.tag}").start()
+    url = make_url(db_url)
+    target = f"{url.query['host']}/.s.PGSQL.{url.port or 5432}" if url.query.get("host") else \
+        f"{url.host}:{url.port or 5432}"
+    servers.relay = subprocess.Popen(
+        [sys.executable, "-m", "tests.hosts.relay", hosts.gateway_address, target], cwd=ROOT,
+        stdout=subprocess.PIPE, text=True)
+    line = servers.relay.stdout.readline().split() if servers.relay.stdout else []
+    assert line and line[0] == "listening", "the Postgres relay did not start"
+    relayed = url.set(host=hosts.gateway_address, port=int(line[1]),
+                      query={k: v for k, v in url.query.items() if k != "host"})
+    settings = CommonSettings(nats_url=servers.cluster.url, database_url=relayed.render_as_string(
+        hide_password=False), events_replicas=3, **base)
+    return HostStack(settings, servers.root / "stack", hosts, placement=PLACEMENT, **n)
 
 
 def reference_texts(texts: list[str], max_tokens: int, cache: Path) -> dict[str, str]:

@@ -32,7 +32,7 @@ from pdserve.gateway.responses import Usage
 from pdserve.gateway.stop_strings import StopStringMatcher
 from pdserve.gateway.token_stream import ChunkReassembler, event_chunk
 from pdserve.lifecycle.journal import request_events
-from pdserve.messages import Abort, Accepted, Ack, FinishReason, Submit, TokenChunk, TokenLogprobs
+from pdserve.messages import Abort, Accepted, Ack, FinishReason, RejectCode, Submit, TokenChunk, TokenLogprobs
 
 log = logging.getLogger(__name__)
 
@@ -286,6 +286,7 @@ class Generation:
         """Send the Submit, again every `SUBMIT_TRY_S` without an answer, for up to `SUBMIT_WAIT_S`: the
         coordinator it reached may have died with it (several run at once, docs/architecture.md §14). A
         Submit is idempotent: a coordinator accepts a request another one owns without running it twice.
+        A coordinator that cannot claim the request's lease now refuses with UNAVAILABLE: sent again too.
         Raises `BusTimeout` when none answers (at once when no coordinator subscribes at all: the client
         is told to retry), `RejectedError` on a refusal."""
         deadline = time.monotonic() + min(SUBMIT_WAIT_S, self._remaining_s())
@@ -298,6 +299,10 @@ class Generation:
             except BusTimeout as e:
                 if time.monotonic() >= deadline or isinstance(e.__cause__, NoRespondersError):
                     raise
+            except RejectedError as e:  # that coordinator cannot own it now; another of the group may
+                if e.code is not RejectCode.UNAVAILABLE or time.monotonic() >= deadline:
+                    raise
+                await asyncio.sleep(0.2)
 
     def _remaining_s(self) -> float:
         return max(self.deadline - time.monotonic(), 0.001)

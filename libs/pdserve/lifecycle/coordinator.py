@@ -87,7 +87,12 @@ class Coordinator:
             if self.num_waiting >= self.settings.max_waiting_requests:
                 raise RejectedError(RejectCode.CAPACITY, f"{self.num_waiting} requests already await "
                                     f"admission to decode (max_waiting_requests)")
-            owner = await self.ownership.claim(req.request_id)
+            if not self.ownership.valid():
+                raise RejectedError(RejectCode.UNAVAILABLE, "this coordinator holds no valid lease now")
+            try:
+                owner = await self.ownership.claim(req.request_id)
+            except Exception as e:  # the lease bucket unreachable from here (NATS or its quorum lost)
+                raise RejectedError(RejectCode.UNAVAILABLE, f"request lease not claimed: {e!r}") from e
             if owner is None:
                 self._start(req)
             # else another coordinator owns it (a retried Submit), or a duplicate here is being started:
