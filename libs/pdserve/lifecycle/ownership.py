@@ -110,9 +110,24 @@ class Ownership:
         """Whether this coordinator may act on its requests now (its lease renewed within `fence_s`)."""
         return self.kv is not None and self.clock() - self._renewed_at < self.fence_s
 
-    async def start(self) -> None:
-        """Open (or create) the bucket and take a lease under a new holder id. Raises `nats.errors.Error`
-        when NATS does not answer."""
+    async def start(self, timeout_s: float = 30.0) -> None:
+        """Open (or create) the bucket and take a lease under a new holder id, retried for `timeout_s`
+        (a bucket just created on a cluster answers once its replicas have elected a leader). Raises
+        `nats.errors.Error` when NATS does not answer by then."""
+        deadline = time.monotonic() + timeout_s
+        while True:
+            try:
+                await self._open()
+                await self._join()
+                break
+            except (nats.errors.Error, nats.js.errors.Error) as e:
+                if time.monotonic() > deadline:
+                    raise
+                log.warning("lease bucket not ready (%s: %s); retrying", type(e).__name__, e)
+                await asyncio.sleep(0.5)
+        self._renewer = asyncio.ensure_future(self._renew_forever())
+
+    async def _open(self) -> None:
         js = self.bus.js
         try:
             self.kv = await js.key_value(self.settings.lease_bucket)
@@ -123,8 +138,6 @@ class Ownership:
                     replicas=self.settings.events_replicas))
             except nats.js.errors.BadRequestError:  # created concurrently by another coordinator
                 self.kv = await js.key_value(self.settings.lease_bucket)
-        await self._join()
-        self._renewer = asyncio.ensure_future(self._renew_forever())
 
     async def _join(self) -> None:
         assert self.kv is not None
