@@ -102,3 +102,15 @@ async def test_a_coordinator_that_cannot_renew_stops_acting_before_anyone_may_ta
     await asyncio.sleep(a.fence_s + RENEW_S)
     assert not a.valid()  # RequestContext.command refuses to send from here on
     assert a.fence_s < LEASE_S
+
+
+async def test_a_renewal_that_comes_after_the_fence_still_gives_the_lease_up(coordinators):
+    """Its lifecycles stopped once the lease was no longer valid (LeaseLost): the holder is abandoned
+    even though nobody declared it dead, so that its requests are taken over instead of orphaned."""
+    make, fenced = coordinators
+    a = await make("coordinator-a")
+    kill(a)
+    await asyncio.sleep(a.fence_s + RENEW_S)
+    old = a.holder
+    await a.renew()  # the store answers again: too late
+    assert fenced["coordinator-a"] == [old] and a.holder != old and a.valid()

@@ -158,9 +158,12 @@ class Ownership:
         renewal, call `on_fenced` and take a new lease under a new holder id."""
         assert self.kv is not None
         reason = None
+        stale = not self.valid()  # past fence_s: its lifecycles may have stopped (LeaseLost) already
         try:
             self._lease_rev = await self.kv.update(
                 _coordinator_key(self.holder), LIVE.encode(), last=self._lease_rev)
+            if stale:  # renewed too late: the requests it stopped must go to a takeover, not stay with it
+                reason = f"renewed only {self.clock() - self._renewed_at:.1f} s after the last renewal"
             self._renewed_at = self.clock()
         except nats.js.errors.KeyWrongLastSequenceError:
             reason = "another coordinator declared this lease dead"
