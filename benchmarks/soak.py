@@ -228,16 +228,27 @@ def fire(f: Fault, stack: Stack, servers: Servers) -> None:
     f.restored_ts = time.time()
 
 
-def run_faults(faults: list[Fault], t0: float, stack: Stack, servers: Servers, stop: threading.Event) -> None:
-    for f in faults:
-        while time.time() < t0 + f.at_s:
-            if stop.wait(0.05):
-                return
-        console.print(f"[yellow]fault[/] {f.kind} {f.target} at {time.time() - t0:.1f} s")
-        fire(f, stack, servers)
+def supervise(stack: Stack, t0: float, restarts: list[dict]) -> None:
+    """Start again any service that exited without a fault of the schedule (as `pdserve up`'s supervisor
+    does); each such restart is reported."""
+    for name, proc in list(stack.procs.items()):
+        if proc.poll() is not None:
+            restarts.append({"at_s": round(time.time() - t0, 1), "service": name, "rc": proc.returncode})
+            console.print(f"[red]{name} exited ({proc.returncode}) outside the schedule: started again[/]")
+            stack.start_service(next(s for s in stack.plan if s.name == name))
+
+
+def run_faults(faults: list[Fault], t0: float, stack: Stack, servers: Servers, stop: threading.Event,
+               restarts: list[dict]) -> None:
+    pending = list(faults)
     # This thread lives to the end of the run: a server it started dies with it (PR_SET_PDEATHSIG follows
     # the thread that forked, pdserve.embedded.child_dies_with_parent).
-    stop.wait()
+    while not stop.wait(0.1):
+        supervise(stack, t0, restarts)
+        if pending and time.time() >= t0 + pending[0].at_s:
+            f = pending.pop(0)
+            console.print(f"[yellow]fault[/] {f.kind} {f.target} at {time.time() - t0:.1f} s")
+            fire(f, stack, servers)
 
 
 async def log_check(settings: CommonSettings, db_url: str, outcomes: list[Outcome]) -> dict:
@@ -380,6 +391,9 @@ def write(summary: dict, outcomes: list[Outcome], t0: float, out: Path) -> None:
     lines += ["", "Recovery: from the fault until the first request submitted after it completes (normal "
               "latency included). Failure reasons:", ""]
     lines += [f"- {n} × {reason}" for reason, n in sorted(summary["failure_reasons"].items())] or ["- none"]
+    lines += ["", "Services that exited outside the schedule (started again, as a supervisor would): "
+              + (", ".join(f"{r['service']} at {r['at_s']} s (rc {r['rc']})"
+                           for r in summary.get("restarts_outside_schedule", [])) or "none") + "."]
     lines += ["", "| # | at s | kind | target | recovery s | in flight | slowest in-flight s | error |",
               "|---|---|---|---|---|---|---|---|"]
     for i, f in enumerate(summary["faults"]):
@@ -459,7 +473,9 @@ def main() -> int:
         outcomes = [Outcome(i, texts[i % len(texts)]) for i in range(args.requests)]
         stop = threading.Event()
         t0 = time.time()
-        chaos = threading.Thread(target=run_faults, args=(faults, t0, stack, servers, stop), daemon=True)
+        restarts: list[dict] = []
+        chaos = threading.Thread(target=run_faults, args=(faults, t0, stack, servers, stop, restarts),
+                                 daemon=True)
         chaos.start()
         bar = tqdm(total=args.requests, desc="requests", mininterval=5)
         with ThreadPoolExecutor(256) as pool, bar:
@@ -481,6 +497,7 @@ def main() -> int:
             classify(o, expected, log["terminal"])
         recovery(faults, outcomes)
         summary = summarize(faults, outcomes, log, args, wall)
+        summary["restarts_outside_schedule"] = restarts
         write(summary, outcomes, t0, args.out)
     finally:
         stack.stop()
