@@ -91,9 +91,10 @@ async def test_kill_one_of_two_coordinators_and_one_of_two_routers_every_request
         events = lifecycles[r.request_id]
         owners = check_one_owner_at_a_time(events)
         assert owners and all(o.startswith("coordinator") for o in owners), (r.request_id, owners)
-        took_over += owners[0] == killed["holder"]
-        if owners[0] == killed["holder"]:
-            assert len(owners) == 2, (r.request_id, owners)  # taken over by the survivor, once
+        # one owner (the killed one may have finished it before it died), or the killed one then the survivor
+        two = len(owners) == 2 and owners[0] == killed["holder"]
+        assert len(owners) == 1 or two, (r.request_id, owners)
+        took_over += len(owners) == 2
         check_each_token_committed_once(events)
     assert took_over >= 1, killed  # the killed coordinator owned requests in flight, and they were taken
     print(f"killed {killed['holder']} and router-1: {took_over} of {len(results)} requests taken over")
