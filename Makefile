@@ -1,8 +1,8 @@
 # pdserve: every target works on a bare machine. The first target that needs Python builds .venv (once; again
 # only when pyproject.toml changes); nothing asks the user to activate it.
 #
-#   make up [MODE=disaggregated|colocated] [MODEL=smollm2|tiny|kimi-tiny|<HF model dir>] [PREFILL=1] [DECODE=1] [PORT=8000]
-#           [KV_STORE=mooncake]   (the shared KV store: a Mooncake Store beside the stack)
+#   make up [MODE=disaggregated|colocated] [MODEL=smollm2|tiny|kimi-tiny|<HF model dir>] [PREFILL=1] [DECODE=1]
+#           [COORDINATORS=1] [ROUTERS=1] [PORT=8000] [KV_STORE=mooncake]   (KV_STORE: a Mooncake Store beside the stack)
 #   make down | status | logs [SERVICE=gateway] | test [ARGS=...] | lint | trace ID=... | replay [ID=...] | bench
 #   make observability-tools   Debian's prometheus, for the dashboards test (root; .ci/run runs it)
 #   make k8s-secrets [MODE=...]  the Secrets' sources of deploy/k8s/overlays/$(MODE) (git-ignored; README)
@@ -22,6 +22,8 @@ MODE ?= disaggregated
 MODEL ?= smollm2
 PREFILL ?= 1
 DECODE ?= 1
+COORDINATORS ?= 1
+ROUTERS ?= 1
 PORT ?= 8000
 KV_STORE ?= none
 SERVICE ?=
@@ -100,12 +102,13 @@ COMPOSE_KV_none :=
 COMPOSE_KV_mooncake := --profile kv-store
 up:
 	@if $(HAVE_DOCKER); then \
-		PDS_MODEL=$(MODEL) PDS_KV_STORE=$(KV_STORE) docker compose $(COMPOSE_KV_$(KV_STORE)) $(COMPOSE_UP_$(MODE)); \
+		PDS_MODEL=$(MODEL) PDS_KV_STORE=$(KV_STORE) docker compose $(COMPOSE_KV_$(KV_STORE)) $(COMPOSE_UP_$(MODE)) \
+			--scale coordinator=$(COORDINATORS) --scale router=$(ROUTERS); \
 	else \
 		$(MAKE) --no-print-directory venv && \
 		$(if $(filter mooncake,$(KV_STORE)),$(MAKE) --no-print-directory kv-store-tools &&) \
-		$(BIN)/pdserve up --mode $(MODE) --model $(MODEL) --prefill $(PREFILL) --decode $(DECODE) --port $(PORT) \
-			--kv-store $(KV_STORE); \
+		$(BIN)/pdserve up --mode $(MODE) --model $(MODEL) --prefill $(PREFILL) --decode $(DECODE) \
+			--coordinators $(COORDINATORS) --routers $(ROUTERS) --port $(PORT) --kv-store $(KV_STORE); \
 	fi
 
 down:

@@ -154,7 +154,8 @@ async def _delete_streams(nats_url: str, name_prefix: str) -> None:
     try:
         js = nc.jetstream()
         for info in await js.streams_info():
-            if info.config.name.startswith(name_prefix):
+            # KV_…: the coordinators' lease buckets
+            if info.config.name.startswith((name_prefix, f"KV_{name_prefix}")):
                 await js.delete_stream(info.config.name)
     finally:
         await nc.close()

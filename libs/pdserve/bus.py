@@ -72,6 +72,9 @@ class Bus:
         self.settings = settings
         self.service = service
         self.subjects = Subjects(settings.subject_prefix)
+        # Stamped as `worker_id` on events that name none: a coordinator's lease holder id (its events
+        # record which coordinator owned the request when it emitted them, lifecycle/ownership.py).
+        self.instance: str | None = None
         self._tasks: set[asyncio.Task] = set()
 
     @classmethod
@@ -209,7 +212,8 @@ class Bus:
         """Build an event stamped with this service and the current span."""
         ctx = trace.get_current_span().get_span_context()
         return Event.of(
-            request_id, payload, service=self.service, worker_id=worker_id,
+            request_id, payload, service=self.service,
+            worker_id=worker_id if worker_id is not None else self.instance,
             trace_id=f"{ctx.trace_id:032x}" if ctx.is_valid else None,
             span_id=f"{ctx.span_id:016x}" if ctx.is_valid else None,
         )

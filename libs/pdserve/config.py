@@ -16,6 +16,7 @@ from pydantic_settings import BaseSettings, SettingsConfigDict
 
 from pdserve.engine.model_files import check_model_name
 from pdserve.messages import KVTransportKind, Role
+from pdserve import nats_auth
 
 
 class DeviceKind(StrEnum):
@@ -225,6 +226,9 @@ class RouterSettings(CommonSettings):
         4e-4, ge=0, description="The same for the shared store (a network read, ~1-2 GB/s over Mooncake's "
         "TCP protocol here, plus a round trip per block), seconds per token; configured above the offload "
         "tier's so a block only in the store counts less than one in a worker's own offload tier.")
+    worker_id: str = Field(
+        "router", description="This router's name in the stack (`PDS_WORKER_ID`): the sender of the bookings "
+        "it shares with the other routers (routing/active_load.py).")
 
 
 class CoordinatorSettings(CommonSettings):
@@ -254,6 +258,21 @@ class CoordinatorSettings(CommonSettings):
     recovery_stall_s: float = Field(
         3.0, description="A resumed decoding request whose worker streams nothing for this long is "
         "migrated (its DecodeFinished may have been lost while no coordinator ran).")
+    worker_id: str = Field(
+        "coordinator", description="This coordinator's name in the stack (`PDS_WORKER_ID`); its lease holder "
+        "id is `<name>.<incarnation>`, new at every start (lifecycle/ownership.py).")
+    lease_s: float = Field(
+        4.0, description="A coordinator whose lease key has not changed for this long (seen by another "
+        "coordinator's own clock) is dead: its requests are taken over. It stops acting itself after "
+        "lease_s − 2·lease_renew_s without a successful renewal (fencing).")
+    lease_renew_s: float = Field(
+        0.5, description="How often a coordinator renews its lease, seconds; it sweeps for requests of dead "
+        "coordinators every max(lease_renew_s, lease_s/4).")
+
+    @property
+    def lease_bucket(self) -> str:
+        """The JetStream KV bucket of the request leases: one per events stream (a stack, a test run)."""
+        return nats_auth.lease_bucket(self.events_stream)
 
 
 class WorkerSettings(CommonSettings, ModelSettings):

@@ -163,6 +163,18 @@ class RequestRecovered(Payload):
     action: str
 
 
+class RequestTakenOver(Payload):
+    """Coordinator `worker_id` (the event's envelope: a coordinator's events carry its lease holder id) now
+    owns this request, taken from `from_coordinator_id` whose lease expired (missed renewals) or was given
+    up (`reason`); `lease_revision` is the revision of the request's lease key that made the taker its
+    owner (lifecycle/ownership.py). A `RequestRecovered` follows: where the request resumes."""
+
+    type: ClassVar[str] = "RequestTakenOver"
+    from_coordinator_id: str
+    reason: str
+    lease_revision: int
+
+
 class RequestCompleted(Payload):
     type: ClassVar[str] = "RequestCompleted"
     finish_reason: FinishReason
@@ -198,6 +210,7 @@ PAYLOAD_TYPES: dict[str, type[Payload]] = {
         TokensCommitted,
         RequestMigrated,
         RequestRecovered,
+        RequestTakenOver,
         RequestCompleted,
         RequestFailed,
         RequestAborted,

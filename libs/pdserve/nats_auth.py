@@ -30,7 +30,8 @@ WORKER_ROLES = ("prefill", "decode", "unified")
 EMITS: dict[str, tuple[str, ...]] = {
     "gateway": ("RequestReceived", "RequestFailed"),
     "coordinator": ("RequestRouted", "DecodeReserved", "AdmissionDeferred", "RequestMigrated",
-                    "RequestRecovered", "RequestCompleted", "RequestFailed", "RequestAborted"),
+                    "RequestRecovered", "RequestTakenOver", "RequestCompleted", "RequestFailed",
+                    "RequestAborted"),
     "worker": ("PrefillStarted", "PrefillCompleted", "TransferCompleted", "ChecksumMismatch", "DecodeStarted",
                "TokensCommitted"),
     "router": (),
@@ -68,6 +69,25 @@ def js_recorder(stream: str) -> list[str]:
             f"{api}.INFO.{stream}.{d}", f"{api}.MSG.NEXT.{stream}.{d}", f"$JS.ACK.{stream}.{d}.>"]
 
 
+def lease_bucket(stream: str) -> str:
+    """The JetStream KV bucket of the request leases of the events stream `stream`: one per stack."""
+    return f"{stream}_LEASES"
+
+
+def js_leases(stream: str) -> list[str]:
+    """The coordinators' JetStream API on their lease bucket only (`CoordinatorSettings.lease_bucket`,
+    `<stream>_LEASES`, lifecycle/ownership.py): the bucket is the stream `KV_<bucket>` — look it up, create
+    it, read a key (direct or message get), list keys (an ephemeral consumer), and put or delete keys
+    (`$KV.<bucket>.>`). No other bucket or stream."""
+    bucket = lease_bucket(stream)
+    kv = f"KV_{bucket}"
+    api = "$JS.API"
+    return [f"{api}.STREAM.INFO.{kv}", f"{api}.STREAM.CREATE.{kv}", f"{api}.STREAM.MSG.GET.{kv}",
+            f"{api}.DIRECT.GET.{kv}", f"{api}.DIRECT.GET.{kv}.>", f"{api}.CONSUMER.CREATE.{kv}",
+            f"{api}.CONSUMER.CREATE.{kv}.>", f"{api}.CONSUMER.INFO.{kv}.*", f"{api}.CONSUMER.MSG.NEXT.{kv}.*",
+            f"{api}.CONSUMER.DELETE.{kv}.*", f"$KV.{bucket}.>"]
+
+
 def kind_of(role: str) -> str:
     """The permission kind of a `PDS_ROLE`: a worker role is "worker", a service is its own name."""
     if role in WORKER_ROLES:
@@ -97,11 +117,12 @@ def permissions(name: str, role: str, prefix: str, stream: str = "PDS_EVENTS") -
         sub += [s.tokens("*"), s.event("*", "*"), s.heartbeat()]
     elif kind == "coordinator":
         allow, pub_deny = js_journal(stream)
-        pub += [s.route, *(s.worker("*", c) for c in COMMANDS), s.tokens("*"), *allow]  # type: ignore[arg-type]
+        pub += [s.route, *(s.worker("*", c) for c in COMMANDS), s.tokens("*"), *allow,  # type: ignore[arg-type]
+                *js_leases(stream)]
         sub += [s.submit, s.abort, s.finished(), s.heartbeat(), s.tokens("*")]
     elif kind == "router":
-        pub += [s.incompatible()]
-        sub += [s.route, s.heartbeat(), s.kv_events(), s.kv_digest(), s.all_events]
+        pub += [s.incompatible(), s.booked]
+        sub += [s.route, s.booked, s.heartbeat(), s.kv_events(), s.kv_digest(), s.all_events]
     elif kind == "recorder":
         pub += js_recorder(stream)
     publish: dict[str, list[str]] = {"allow": pub}

@@ -94,14 +94,26 @@ def _service(kind: str) -> ServiceSpec:
     return ServiceSpec(kind, f"pdserve.services.{kind}", kind)
 
 
-def service_plan(mode: str, n_prefill: int = 1, n_decode: int = 1) -> list[ServiceSpec]:
-    """The processes of a stack, in start order: recorder, router, coordinator, workers, gateway.
+def _replicas(kind: str, n: int) -> list[ServiceSpec]:
+    """`n` processes of a control-plane service: `kind`, then `kind-1`, `kind-2`, … (the first keeps the
+    service's own name, as compose's service does)."""
+    names = [kind if i == 0 else f"{kind}-{i}" for i in range(n)]
+    return [ServiceSpec(name, f"pdserve.services.{kind}", kind) for name in names]
+
+
+def service_plan(mode: str, n_prefill: int = 1, n_decode: int = 1, n_coordinators: int = 1,
+                 n_routers: int = 1) -> list[ServiceSpec]:
+    """The processes of a stack, in start order: recorder, routers, coordinators, workers, gateway.
 
     disaggregated: `n_prefill` prefill workers (prefill-0…) and `n_decode` decode workers (decode-0…).
     colocated: `n_prefill + n_decode` unified workers (unified-0…; module pdserve.services.decode with
     role 'unified'), so both modes compare on the same number of worker processes (cores).
+    `n_routers` routers (router, router-1, …) and `n_coordinators` coordinators (coordinator,
+    coordinator-1, …) run at once: the control plane without a single point of failure
+    (docs/architecture.md §18).
     The gateway comes last so that its /health answering means every other process was started.
-    Raises ValueError on an unknown mode or a worker count below 1 (disaggregated needs one of each).
+    Raises ValueError on an unknown mode, a worker count below 1 (disaggregated needs one of each) or
+    fewer than one coordinator or router.
     """
     if mode not in MODES:
         raise ValueError(f"mode {mode!r}: expected one of {', '.join(MODES)}")
@@ -111,7 +123,10 @@ def service_plan(mode: str, n_prefill: int = 1, n_decode: int = 1) -> list[Servi
         )
     if mode == "colocated" and n_prefill + n_decode < 1:
         raise ValueError("colocated needs at least one unified worker")
-    plan = [_service("recorder"), _service("router"), _service("coordinator")]
+    if n_coordinators < 1 or n_routers < 1:
+        raise ValueError(f"a stack needs at least one coordinator and one router, got coordinators="
+                         f"{n_coordinators} routers={n_routers}")
+    plan = [_service("recorder"), *_replicas("router", n_routers), *_replicas("coordinator", n_coordinators)]
     if mode == "disaggregated":
         plan += [ServiceSpec(f"prefill-{i}", "pdserve.services.prefill", "prefill") for i in range(n_prefill)]
         plan += [ServiceSpec(f"decode-{i}", "pdserve.services.decode", "decode") for i in range(n_decode)]

@@ -64,7 +64,8 @@ class Supervisor:
         self.port: int = args.port
         self.kv_store: str = getattr(args, "kv_store", "none")
         self.kv_store_url: str | None = None
-        self.plan: list[ServiceSpec] = plan or service_plan(args.mode, args.prefill, args.decode)
+        self.plan: list[ServiceSpec] = plan or service_plan(
+            args.mode, args.prefill, args.decode, args.coordinators, args.routers)
         self.servers: list[EmbeddedServer] = []
         self.stopping = asyncio.Event()
         self.procs: dict[str, asyncio.subprocess.Process] = {}
@@ -283,6 +284,8 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--model", type=model_arg, default="smollm2")
     p.add_argument("--prefill", type=int, default=1, help="prefill workers (colocated: counted as unified)")
     p.add_argument("--decode", type=int, default=1, help="decode workers (colocated: counted as unified)")
+    p.add_argument("--coordinators", type=int, default=1, help="coordinators running at once")
+    p.add_argument("--routers", type=int, default=1, help="routers running at once")
     p.add_argument("--port", type=int, default=8000, help="gateway HTTP port")
     p.add_argument("--var-dir", type=Path, default=Path("var"))
     p.add_argument("--kv-store", choices=KV_STORES, default="none",

@@ -1,17 +1,19 @@
 """Router: live workers from heartbeats, the KV index from their KV events and digests, its own load
-bookings released by the lifecycle events; answers placement requests (`pdserve.routing.router`)."""
+bookings and those its peers publish (`pds.router.booked`), released by the lifecycle events; answers
+placement requests (`pdserve.routing.router`). Several routers share the `router` queue group."""
 
 from __future__ import annotations
 
 import asyncio
 import logging
+import secrets
 
 from opentelemetry import trace
 
 from pdserve.bus import Bus
 from pdserve.config import RouterSettings
 from pdserve.events import TERMINAL_TYPES, Event
-from pdserve.messages import Heartbeat, KVDigest, KVEvents, RouteDecision, RouteRequest
+from pdserve.messages import Heartbeat, KVDigest, KVEvents, RouteBooked, RouteDecision, RouteRequest
 from pdserve.routing.router import Placer
 from pdserve.service import run_service
 from pdserve.telemetry import metrics
@@ -22,6 +24,8 @@ log = logging.getLogger("pdserve.router")
 
 async def setup(bus: Bus, settings: RouterSettings):
     placer = Placer(settings)
+    # Unique even where replicas share a name (compose's --scale): peers tell their bookings from its own.
+    router_id = f"{settings.worker_id}.{secrets.token_hex(4)}"
     metrics.init_router_series()
 
     async def on_heartbeat(hb: Heartbeat) -> None:
@@ -51,10 +55,16 @@ async def setup(bus: Bus, settings: RouterSettings):
         elif event.type in TERMINAL_TYPES:
             placer.release(event.request_id)
 
+    async def on_booked(booked: RouteBooked) -> None:
+        if booked.router_id != router_id:
+            placer.observe_booking(booked)
+
     async def route(req: RouteRequest) -> RouteDecision:
         with tracer.start_as_current_span("router.route") as span:
             span.set_attribute("pdserve.request_id", req.request_id)
             decision = placer.route(req)
+            if (booked := placer.booked(req.request_id, router_id)) is not None:
+                await bus.publish(bus.subjects.booked, booked)  # before the reply: peers book it first
             span.set_attribute("pdserve.mode", decision.mode)
             span.set_attribute("pdserve.predicted_cached_tokens", decision.predicted_cached_tokens)
             span.set_attribute("pdserve.best_cached_tokens", decision.best_cached_tokens)
@@ -68,6 +78,7 @@ async def setup(bus: Bus, settings: RouterSettings):
     events = bus.subjects.all_events.removesuffix(">")
     subs = [
         await bus.subscribe(bus.subjects.heartbeat(), Heartbeat, on_heartbeat),
+        await bus.subscribe(bus.subjects.booked, RouteBooked, on_booked),
         await bus.subscribe(bus.subjects.kv_events(), KVEvents, on_kv_events),
         await bus.subscribe(bus.subjects.kv_digest(), KVDigest, on_kv_digest),
         *[

@@ -25,11 +25,12 @@ from pdserve.service_plan import ServiceSpec, service_plan
 
 class Stack:
     def __init__(self, settings: CommonSettings, var_dir: Path, model: str = "tiny",
-                 mode: str = "disaggregated", n_prefill: int = 1, n_decode: int = 1) -> None:
+                 mode: str = "disaggregated", n_prefill: int = 1, n_decode: int = 1, n_coordinators: int = 1,
+                 n_routers: int = 1) -> None:
         self.settings = settings
         self.var_dir = var_dir
         self.model = model
-        self.plan = service_plan(mode, n_prefill, n_decode)
+        self.plan = service_plan(mode, n_prefill, n_decode, n_coordinators, n_routers)
         self.port = free_port()
         self.url = f"http://127.0.0.1:{self.port}"
         self.procs: dict[str, subprocess.Popen] = {}

@@ -31,6 +31,7 @@ from pdserve.events import (
     RequestReceived,
     RequestRecovered,
     RequestRouted,
+    RequestTakenOver,
     TokensCommitted,
     TransferCompleted,
     TTFTBreakdown,
@@ -90,6 +91,7 @@ SAMPLES: list[Payload] = [
                     attempt=1),
     RequestRecovered(state=RequestState.DECODING, num_committed_tokens=1, action=RecoveryAction.WATCH_DECODE),
     RequestRecovered(state=RequestState.ROUTED, num_committed_tokens=0, action=RecoveryAction.RE_PREFILL),
+    RequestTakenOver(from_coordinator_id="coordinator.0badc0de", reason="expired", lease_revision=7),
     RequestCompleted(finish_reason=FinishReason.LENGTH, prompt_tokens=4, completion_tokens=2, ttft=TTFT,
                      e2e_s=0.1),
     RequestFailed(phase=Phase.ROUTE, reason="no workers"),
@@ -137,6 +139,8 @@ class ScriptedBus:
     async def emit(self, request_id: str, payload: Payload, worker_id: str | None = None) -> None:
         assert self.lifecycle is not None
         self.emitted.append((self.lifecycle.phase, payload))
+
+    emit_stored = emit  # the terminal events: stored before the request's lease is released
 
     async def publish(self, subject, msg) -> None:
         pass

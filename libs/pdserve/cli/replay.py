@@ -47,6 +47,7 @@ KEY_FIELDS: dict[str, tuple[str, ...]] = {
     "TokensCommitted": ("start_index",),
     "RequestMigrated": ("from_worker_id", "phase", "reason", "num_committed_tokens", "attempt"),
     "RequestRecovered": ("state", "num_committed_tokens", "action"),
+    "RequestTakenOver": ("from_coordinator_id", "reason"),
     "RequestCompleted": ("finish_reason", "prompt_tokens", "completion_tokens", "e2e_s"),
     "RequestFailed": ("phase", "reason"),
     "RequestAborted": ("reason",),
@@ -54,7 +55,7 @@ KEY_FIELDS: dict[str, tuple[str, ...]] = {
 _AGE = re.compile(r"^(\d+(?:\.\d+)?)([smhd])$")
 _AGE_UNIT_S = {"s": 1, "m": 60, "h": 3600, "d": 86400}
 _TERMINAL_STYLE = {"RequestCompleted": "green", "RequestFailed": "bold red", "RequestAborted": "yellow",
-                   "RequestMigrated": "magenta", "RequestRecovered": "magenta",
+                   "RequestMigrated": "magenta", "RequestRecovered": "magenta", "RequestTakenOver": "magenta",
                    "ChecksumMismatch": "red", "AdmissionDeferred": "yellow"}
 
 

@@ -88,6 +88,10 @@ def up(args: argparse.Namespace) -> int:
         str(args.prefill),
         "--decode",
         str(args.decode),
+        "--coordinators",
+        str(args.coordinators),
+        "--routers",
+        str(args.routers),
         "--port",
         str(args.port),
         "--var-dir",
@@ -327,6 +331,9 @@ def add_parsers(sub: argparse._SubParsersAction) -> None:
                    "tests) or a local HF-layout model directory of either family")
     p.add_argument("--prefill", type=int, default=1, help="prefill workers (default 1)")
     p.add_argument("--decode", type=int, default=1, help="decode workers (default 1)")
+    p.add_argument("--coordinators", type=int, default=1,
+                   help="coordinators at once (default 1; 2+: a request's owner dying is taken over)")
+    p.add_argument("--routers", type=int, default=1, help="routers at once (default 1; they share bookings)")
     p.add_argument("--port", type=int, default=8000, help="gateway HTTP port (default 8000)")
     p.add_argument("--timeout", type=float, default=300.0, help="seconds to wait for /health (default 300)")
     p.add_argument("--kv-store", choices=KV_STORES, default="none",

@@ -89,7 +89,7 @@ def _param(loc: Iterable[Any]) -> str | None:
 def from_rejection(e: RejectedError) -> APIError:
     """The HTTP answer to a coordinator's typed refusal of a Submit. CAPACITY is 503 + Retry-After
     (the client should come back); INVALID is the client's fault (400); the rest are server-side."""
-    if e.code is RejectCode.CAPACITY:
+    if e.code in (RejectCode.CAPACITY, RejectCode.UNAVAILABLE):
         return APIError(503, f"No capacity to serve the request now: {e.message}", code="capacity",
                         headers={"Retry-After": "1"})
     if e.code is RejectCode.NO_WORKERS:

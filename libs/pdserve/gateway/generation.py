@@ -20,6 +20,7 @@ import time
 from collections.abc import AsyncIterator
 from dataclasses import dataclass
 
+from nats.errors import NoRespondersError
 from opentelemetry import context as otel_context
 
 from pdserve.bus import Bus, BusTimeout, RejectedError
@@ -31,10 +32,12 @@ from pdserve.gateway.responses import Usage
 from pdserve.gateway.stop_strings import StopStringMatcher
 from pdserve.gateway.token_stream import ChunkReassembler, event_chunk
 from pdserve.lifecycle.journal import request_events
-from pdserve.messages import Abort, Accepted, Ack, FinishReason, Submit, TokenChunk, TokenLogprobs
+from pdserve.messages import Abort, Accepted, Ack, FinishReason, RejectCode, Submit, TokenChunk, TokenLogprobs
 
 log = logging.getLogger(__name__)
 
+SUBMIT_TRY_S = 2.0  # one Submit's wait for Accepted (a live coordinator answers in milliseconds)
+SUBMIT_WAIT_S = 15.0  # how long a Submit is retried while no coordinator answers: then 503
 ABORT_TIMEOUT_S = 2.0  # an Abort is best effort: the coordinator's own deadlines free the request anyway
 JOURNAL_POLL_S = 1.0  # while a gap is open, the journal is read this often (tokens commit every 16)
 JOURNAL_READ_TIMEOUT_S = 2.0
@@ -126,7 +129,7 @@ class Generation:
                         prompt_token_ids=self.prepared.prompt_token_ids, sampling=self.prepared.sampling,
                         cache_salt=self.cache_salt, received_ts=self.received_ts)
         try:
-            await self.bus.request(subjects.submit, submit, Accepted, timeout_s=self._remaining_s())
+            await self._submit(submit)
         except RejectedError as e:
             # The coordinator records nothing for a Submit it refuses: the gateway closes the lifecycle.
             await self.bus.emit(self.request_id, RequestFailed(phase="submit", reason=str(e)))
@@ -278,6 +281,28 @@ class Generation:
             except Exception as e:  # connection already closed: nothing left to free
                 log.debug("unsubscribe of %s failed: %s", self.request_id, e)
         self._sub = self._event_sub = None
+
+    async def _submit(self, submit: Submit) -> None:
+        """Send the Submit, again every `SUBMIT_TRY_S` without an answer, for up to `SUBMIT_WAIT_S`: the
+        coordinator it reached may have died with it (several run at once, docs/architecture.md §18). A
+        Submit is idempotent: a coordinator accepts a request another one owns without running it twice.
+        A coordinator that cannot claim the request's lease now refuses with UNAVAILABLE: sent again too.
+        Raises `BusTimeout` when none answers (at once when no coordinator subscribes at all: the client
+        is told to retry), `RejectedError` on a refusal."""
+        deadline = time.monotonic() + min(SUBMIT_WAIT_S, self._remaining_s())
+        while True:
+            left = deadline - time.monotonic()
+            try:
+                await self.bus.request(self.bus.subjects.submit, submit, Accepted,
+                                       timeout_s=max(min(SUBMIT_TRY_S, left), 0.001))
+                return
+            except BusTimeout as e:
+                if time.monotonic() >= deadline or isinstance(e.__cause__, NoRespondersError):
+                    raise
+            except RejectedError as e:  # that coordinator cannot own it now; another of the group may
+                if e.code is not RejectCode.UNAVAILABLE or time.monotonic() >= deadline:
+                    raise
+                await asyncio.sleep(0.2)
 
     def _remaining_s(self) -> float:
         return max(self.deadline - time.monotonic(), 0.001)

@@ -54,7 +54,7 @@ async def emit_completed(
     span = trace.get_current_span()
     for name, value in ttft.model_dump().items():
         span.set_attribute(f"pdserve.ttft.{name}" if name != "ttft_s" else "pdserve.ttft_s", value)
-    await bus.emit(
+    await bus.emit_stored(
         submit.request_id,
         RequestCompleted(
             finish_reason=done.finish_reason,

@@ -12,7 +12,7 @@ from __future__ import annotations
 
 import asyncio
 import logging
-from collections.abc import Awaitable
+from collections.abc import Awaitable, Callable
 from typing import TypeVar
 
 from nats.errors import NoRespondersError
@@ -47,6 +47,11 @@ class WorkerLost(Exception):
         self.reason = reason
 
 
+class LeaseLost(Exception):
+    """This coordinator no longer holds the lease that makes it the request's owner (lifecycle/ownership.py):
+    it stops acting on the request at once, without an event or a release (the new owner resumes it)."""
+
+
 class RequestContext:
     """One request as its lifecycle's steps see it. `holders`: workers that may hold something of the
     request (released at its end); `watched`: workers whose death abandons the current phase;
@@ -54,9 +59,11 @@ class RequestContext:
     `max_waiting_requests`)."""
 
     def __init__(
-        self, bus: Bus, settings: CoordinatorSettings, submit: Submit, liveness: WorkerLiveness
+        self, bus: Bus, settings: CoordinatorSettings, submit: Submit, liveness: WorkerLiveness,
+        owned: Callable[[], bool] = lambda: True,
     ) -> None:
         self.bus = bus
+        self.owned = owned
         self.settings = settings
         self.submit = submit
         self.liveness = liveness
@@ -88,7 +95,12 @@ class RequestContext:
         raise WorkerLost(lost.result(), self.phase, f"no heartbeat for {silent:.1f} s")
 
     async def command(self, worker: str, coro: Awaitable[T]) -> T:
-        """A command to `worker`, watched; a worker that does not answer is lost."""
+        """A command to `worker`, watched; a worker that does not answer is lost. Raises `LeaseLost`, and
+        sends nothing, when this coordinator's lease on the request is not valid (fencing)."""
+        if not self.owned():
+            if asyncio.iscoroutine(coro):
+                coro.close()
+            raise LeaseLost(self.request_id)
         try:
             return await self.watch(coro)
         except BusTimeout as e:

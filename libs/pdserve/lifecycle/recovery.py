@@ -19,7 +19,7 @@ from sqlalchemy.ext.asyncio import AsyncEngine
 from pdserve import store
 from pdserve.bus import Bus
 from pdserve.events import Event, RequestMigrated, RequestReceived
-from pdserve.lifecycle.journal import committed_tokens, read_stream
+from pdserve.lifecycle.journal import committed_tokens, read_stream, request_events
 from pdserve.lifecycle.request import ResumePoint
 from pdserve.messages import Submit
 from pdserve.states import TERMINAL_STATES, RequestState
@@ -61,6 +61,29 @@ async def read_log(bus: Bus, db: AsyncEngine) -> dict[str, list[RecordedEvent]]:
         for rec in await store.events_of_requests(db, sorted(tail_only)):
             by_request[rec.event.request_id].setdefault(rec.event.event_id, rec)
     return {rid: sorted(evs.values(), key=lambda r: r.stream_seq) for rid, evs in by_request.items()}
+
+
+async def read_requests(
+    bus: Bus, db: AsyncEngine | None, request_ids: list[str]
+) -> dict[str, list[RecordedEvent]]:
+    """Every event of each of `request_ids`, in stream order (a takeover's log). A request whose
+    `RequestReceived` — its first event — is still in the stream has its whole history there (retention
+    drops the oldest first), so a takeover needs no Postgres while it is down; for the others, what
+    Postgres holds is added. Raises NATS's error, or the database's when it is needed and down."""
+    out: dict[str, list[RecordedEvent]] = {}
+    missing: list[str] = []
+    for request_id in request_ids:
+        events = await request_events(bus, request_id)
+        out[request_id] = events
+        if not any(r.event.type == RequestReceived.type for r in events):
+            missing.append(request_id)
+    if missing and db is not None:
+        for rec in await store.events_of_requests(db, missing):
+            out[rec.event.request_id].append(rec)
+        for request_id in missing:
+            unique = {r.event.event_id: r for r in out[request_id]}
+            out[request_id] = sorted(unique.values(), key=lambda r: r.stream_seq)
+    return out
 
 
 def plan(request_id: str, history: list[RecordedEvent]) -> Unfinished | Unresumable | None:

@@ -26,7 +26,7 @@ from __future__ import annotations
 import asyncio
 import logging
 import time
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from contextlib import contextmanager
 from dataclasses import dataclass, field
 
@@ -36,7 +36,7 @@ from pdserve.bus import Bus, BusTimeout, RejectedError
 from pdserve.config import CoordinatorSettings
 from pdserve.events import RequestAborted, RequestFailed, RequestMigrated
 from pdserve.lifecycle.completion import emit_completed
-from pdserve.lifecycle.context import PhaseFailed, RequestContext, WorkerLost
+from pdserve.lifecycle.context import LeaseLost, PhaseFailed, RequestContext, WorkerLost
 from pdserve.lifecycle.journal import read_committed
 from pdserve.lifecycle.liveness import WorkerLiveness
 from pdserve.lifecycle.placement import place, route
@@ -46,7 +46,7 @@ from pdserve.states import Phase, RequestState
 log = logging.getLogger(__name__)
 tracer = trace.get_tracer("pdserve.coordinator")
 
-__all__ = ["PhaseFailed", "RequestLifecycle", "ResumePoint", "WorkerLost"]
+__all__ = ["LeaseLost", "PhaseFailed", "RequestLifecycle", "ResumePoint", "WorkerLost"]
 
 
 @dataclass(frozen=True)
@@ -83,8 +83,11 @@ class RequestLifecycle:
         submit: Submit,
         liveness: WorkerLiveness,
         resume: ResumePoint | None = None,
+        owned: Callable[[], bool] = lambda: True,
     ) -> None:
-        self.ctx = ctx = RequestContext(bus, settings, submit, liveness)
+        """`owned`: whether this coordinator still holds the request's lease (checked before every command
+        to a worker; lifecycle/ownership.py)."""
+        self.ctx = ctx = RequestContext(bus, settings, submit, liveness, owned)
         self.bus, self.settings, self.submit, self.liveness = bus, settings, submit, liveness
         self.request_id = submit.request_id
         self.accepted_ts = time.time()
@@ -93,7 +96,7 @@ class RequestLifecycle:
         self.migrations = resume.migrations if resume else 0
         self.first: Attempt | None = None  # the first attempt of this coordinator's run (TTFT)
         self.attempt: Attempt | None = None
-        self.decode_worker: str | None = None
+        self.decode_worker: str | None = resume.decode_worker_id if resume else None  # a kept report counts
         self.finished: asyncio.Future[DecodeFinished] = asyncio.get_running_loop().create_future()
         self.handed_off = False
         self._last_attempt: trace.SpanContext | None = None
@@ -117,12 +120,17 @@ class RequestLifecycle:
                 await self._run()
         except asyncio.CancelledError:
             if not self.handed_off:
-                await self.bus.emit(self.request_id, RequestAborted(reason=f"aborted during {self.phase}"))
+                await self.bus.emit_stored(self.request_id,
+                                           RequestAborted(reason=f"aborted during {self.phase}"))
             raise
+        except LeaseLost:
+            log.warning("request %s: lease lost in %s; left to the coordinator that takes it over",
+                        self.request_id, self.phase)
+            self.handed_off = True
         except (PhaseFailed, BusTimeout, RejectedError) as e:
             phase, reason = (e.phase, e.reason) if isinstance(e, PhaseFailed) else (self.phase, str(e))
             log.warning("request %s failed in %s: %s", self.request_id, phase, reason)
-            await self.bus.emit(self.request_id, RequestFailed(phase=phase, reason=reason))
+            await self.bus.emit_stored(self.request_id, RequestFailed(phase=phase, reason=reason))
             await self.bus.publish(
                 self.bus.subjects.tokens(self.request_id),
                 TokenChunk(request_id=self.request_id, index=0, error=f"{phase}: {reason}"),
@@ -151,8 +159,11 @@ class RequestLifecycle:
             except WorkerLost as e:
                 await self._migrate(e)
         elif resume is not None:
-            # Whatever the previous coordinator's attempt left on workers is freed; the run starts over.
+            # Whatever the previous coordinator's attempt left on workers is freed; the run starts over
+            # from the journal as it stands once they stopped (a decode may have committed more meanwhile).
             await self.ctx.release_all()
+            self.ctx.holders.clear()
+            await self._reread_journal()
         while done is None:
             try:
                 with self._attempt_span():
@@ -257,18 +268,7 @@ class RequestLifecycle:
             )
         await self.ctx.release_all()  # a silent-but-alive worker stops; a dead one costs one no-responders
         self.ctx.holders.clear()
-        try:
-            journal = await read_committed(self.bus, self.request_id)
-        except Exception as e:  # NATS restarting: regenerate from what is known (more work, same tokens)
-            log.warning(
-                "journal of %s unreadable (%s); resuming from %d tokens",
-                self.request_id,
-                e,
-                len(self.committed),
-            )
-            journal = []
-        if len(journal) > len(self.committed):
-            self.committed = journal
+        await self._reread_journal()
         if not self.finished.done():
             self.finished.cancel()
         self.finished = asyncio.get_running_loop().create_future()
@@ -282,6 +282,21 @@ class RequestLifecycle:
                 attempt=self.migrations,
             ),
         )
+
+    async def _reread_journal(self) -> None:
+        """Take the committed tokens from the journal when it holds more than this lifecycle knows."""
+        try:
+            journal = await read_committed(self.bus, self.request_id)
+        except Exception as e:  # NATS restarting: regenerate from what is known (more work, same tokens)
+            log.warning(
+                "journal of %s unreadable (%s); resuming from %d tokens",
+                self.request_id,
+                e,
+                len(self.committed),
+            )
+            journal = []
+        if len(journal) > len(self.committed):
+            self.committed = journal
 
     def on_finished(self, msg: DecodeFinished) -> None:
         """A decode worker reports the end; only the current placement's worker counts (an abandoned one

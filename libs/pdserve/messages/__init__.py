@@ -16,6 +16,7 @@ Subjects (prefix `pds` by default, configurable so tests can share a server):
 | pds.worker.<id>.prefill          | PrefillRequest   | PrefillResult     | coordinator → prefill   |
 | pds.worker.<id>.start            | StartDecode      | DecodeAdmitted    | coordinator → decode    |
 | pds.worker.<id>.release          | Release          | Ack               | coordinator → workers   |
+| pds.router.booked     (publish)  | RouteBooked      | —                 | router → routers        |
 | pds.heartbeat.<id>    (publish)  | Heartbeat        | —                 | workers → router        |
 | pds.kv.<id>           (publish)  | KVEvents         | —                 | workers → router        |
 | pds.kvdigest.<id>     (publish)  | KVDigest         | —                 | workers → router        |
@@ -43,6 +44,7 @@ from pdserve.messages.heartbeat import CompatibilityDescriptor, Heartbeat
 from pdserve.messages.kv_events import KVDigest, KVEvents
 from pdserve.messages.router import (
     CandidateCost,
+    RouteBooked,
     RouteDecision,
     RouteOutcome,
     RouteRequest,
@@ -91,6 +93,7 @@ __all__ = [
     "Reservation",
     "ReserveRequest",
     "Role",
+    "RouteBooked",
     "RouteDecision",
     "RouteOutcome",
     "RouteRequest",

@@ -31,6 +31,7 @@ class RejectCode(StrEnum):
     DUPLICATE = "duplicate"  # id already seen
     NO_WORKERS = "no_workers"  # nothing registered can serve it
     TRANSFER_FAILED = "transfer_failed"  # KV did not arrive verified
+    UNAVAILABLE = "unavailable"  # this server cannot take it now (its lease store unreachable): another may
     INTERNAL = "internal"
 
 

@@ -60,6 +60,18 @@ class RouteDecision(Message, RouteOutcome):
     request_id: str
 
 
+class RouteBooked(Message):
+    """A router placed `request_id`: what it booked on which workers (routing/active_load.py), published
+    on `pds.router.booked` so that every other router books the same before its next decision."""
+
+    router_id: str
+    request_id: str
+    prefill_worker_id: str
+    prefill_blocks: int = Field(ge=0)
+    decode_worker_id: str
+    decode_blocks: int = Field(ge=0)
+
+
 class WorkerIncompatible(Message):
     """Published by the router when a worker's descriptor matches no live worker of the other pool, so
     it is never paired (nor used) while that lasts. `differences`: field → (this worker's value, the

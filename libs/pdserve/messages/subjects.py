@@ -28,6 +28,11 @@ class Subjects:
     def route(self) -> str:
         return f"{self.prefix}.router.route"
 
+    @property
+    def booked(self) -> str:
+        """Each router's placements (`RouteBooked`), heard by every router (routing/active_load.py)."""
+        return f"{self.prefix}.router.booked"
+
     def worker(self, worker_id: str, command: Literal["reserve", "prefill", "start", "release"]) -> str:
         return f"{self.prefix}.worker.{worker_id}.{command}"
 

@@ -7,6 +7,13 @@ Router → Routing Concepts), the router books each request's prefill blocks on 
 KV blocks on its decode worker at decision time, and releases them on the request's `PrefillCompleted`
 and terminal events. Bookings older than `max_age_s` are dropped, so a lost event cannot leak load.
 
+Several routers may run at once, each answering part of the placements (the `router` queue group); each
+publishes what it booked (`RouteBooked` on `pds.router.booked`) and books what the others publish
+(`book_peer`), so that none of them places on a worker as if the others' placements of the last moment
+were not there (docs/architecture.md §18). Every router hears every request's `PrefillCompleted` and
+terminal event, so each releases every booking itself. A peer's booking heard after its request's end
+(the release raced it) is not booked: the last `ENDED_MEMORY` ended request ids are remembered.
+
 Beside those instantaneous counts it keeps a stable one for the router's balance term: per worker, an
 exponentially weighted count of the decisions that placed a prefill there, over about `window` decisions
 (each booking scales every count by 1 − 1/window and adds 1 to its prefill worker; the counts sum to at
@@ -17,8 +24,11 @@ recent traffic went even while every queue is momentarily empty.
 from __future__ import annotations
 
 import time
+from collections import OrderedDict
 from collections.abc import Callable
 from dataclasses import dataclass
+
+ENDED_MEMORY = 4096  # ended (or prefilled) request ids remembered against late peer bookings
 
 
 @dataclass
@@ -46,6 +56,13 @@ class ActiveLoad:
         self._prefill_blocks: dict[str, int] = {}
         self._kv_blocks: dict[str, int] = {}
         self._requests: dict[str, int] = {}
+        self._ended: OrderedDict[str, bool] = OrderedDict()  # request id → ended (True) or prefilled (False)
+
+    def _remember(self, request_id: str, ended: bool) -> None:
+        self._ended[request_id] = ended or self._ended.get(request_id, False)
+        self._ended.move_to_end(request_id)
+        while len(self._ended) > ENDED_MEMORY:
+            self._ended.popitem(last=False)
 
     def _apply(self, b: Booking, sign: int) -> None:
         """Add (`sign` +1) or take away (-1) what booking `b` contributes in its current phase."""
@@ -68,7 +85,7 @@ class ActiveLoad:
         """Record a placement: `prefill_blocks` uncached prompt blocks to compute on the prefill worker,
         `decode_blocks` KV blocks the request will hold on the decode worker (for a local prefill both
         ids are the decode worker). Booking the same id again replaces the earlier booking (a retry)."""
-        self.release(request_id)
+        self._drop(request_id)
         b = Booking(prefill_worker_id, prefill_blocks, decode_worker_id, decode_blocks, self.clock())
         self._bookings[request_id] = b
         self._apply(b, +1)
@@ -77,8 +94,30 @@ class ActiveLoad:
             self._recent[wid] *= decay
         self._recent[prefill_worker_id] = self._recent.get(prefill_worker_id, 0.0) + 1.0
 
+    def book_peer(
+        self,
+        request_id: str,
+        prefill_worker_id: str,
+        prefill_blocks: int,
+        decode_worker_id: str,
+        decode_blocks: int,
+    ) -> bool:
+        """Book another router's placement (as `book`), unless the request already ended here; a request
+        already prefilled is booked prefilled. Returns whether it was booked."""
+        seen = self._ended.get(request_id)
+        if seen:
+            return False
+        self.book(request_id, prefill_worker_id, prefill_blocks, decode_worker_id, decode_blocks)
+        if seen is False:
+            self.prefill_done(request_id)
+        return True
+
+    def booking(self, request_id: str) -> Booking | None:
+        return self._bookings.get(request_id)
+
     def prefill_done(self, request_id: str) -> None:
         """The request's prefill finished: its prefill blocks no longer load the prefill worker."""
+        self._remember(request_id, False)
         b = self._bookings.get(request_id)
         if b is not None and not b.prefill_done:
             self._apply(b, -1)
@@ -87,6 +126,10 @@ class ActiveLoad:
 
     def release(self, request_id: str) -> None:
         """The request ended (completed, failed or aborted): everything booked for it is released."""
+        self._remember(request_id, True)
+        self._drop(request_id)
+
+    def _drop(self, request_id: str) -> None:
         b = self._bookings.pop(request_id, None)
         if b is not None:
             self._apply(b, -1)

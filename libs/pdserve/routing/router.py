@@ -35,6 +35,7 @@ from pdserve.messages import (
     KVEvents,
     RejectCode,
     Role,
+    RouteBooked,
     RouteDecision,
     RouteRequest,
     WorkerIncompatible,
@@ -100,6 +101,20 @@ class Placer:
 
     def prefill_done(self, request_id: str) -> None:
         self.load.prefill_done(request_id)
+
+    def booked(self, request_id: str, router_id: str) -> RouteBooked | None:
+        """What this router booked for `request_id`, as the message its peers book it from."""
+        b = self.load.booking(request_id)
+        if b is None:
+            return None
+        return RouteBooked(router_id=router_id, request_id=request_id, prefill_worker_id=b.prefill_worker_id,
+                           prefill_blocks=b.prefill_blocks, decode_worker_id=b.decode_worker_id,
+                           decode_blocks=b.decode_blocks)
+
+    def observe_booking(self, b: RouteBooked) -> bool:
+        """Book another router's placement (routing/active_load.py); False if its request already ended."""
+        return self.load.book_peer(b.request_id, b.prefill_worker_id, b.prefill_blocks, b.decode_worker_id,
+                                   b.decode_blocks)
 
     def release(self, request_id: str) -> None:
         self.load.release(request_id)

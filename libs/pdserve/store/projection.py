@@ -42,6 +42,7 @@ from pdserve.events import (
     RequestReceived,
     RequestRecovered,
     RequestRouted,
+    RequestTakenOver,
     TokensCommitted,
     TransferCompleted,
 )
@@ -51,7 +52,7 @@ from pdserve.store.tables import REQUEST_COLUMNS
 
 Row = dict[str, Any]
 # Recorded, no column of their own: folding them only advances `last_stream_seq`.
-UNPROJECTED_TYPES = frozenset({AdmissionDeferred.type, ChecksumMismatch.type})
+UNPROJECTED_TYPES = frozenset({AdmissionDeferred.type, ChecksumMismatch.type, RequestTakenOver.type})
 
 
 def to_datetime(ts: float) -> datetime:
