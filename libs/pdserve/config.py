@@ -14,9 +14,9 @@ from pathlib import Path
 from pydantic import Field, field_validator
 from pydantic_settings import BaseSettings, SettingsConfigDict
 
+from pdserve import nats_auth
 from pdserve.engine.model_files import check_model_name
 from pdserve.messages import KVTransportKind, Role
-from pdserve import nats_auth
 
 
 class DeviceKind(StrEnum):

@@ -9,12 +9,13 @@ import json
 import pytest
 
 from pdserve.advise.economics import CHECKLIST_PREFILL_TOK_S, duplication, economics
-from pdserve.advise.models import LLAMA_3_70B, kimi_linear_spec, llama_3_70b, llama_num_params
+from pdserve.advise.models import kimi_linear_spec, llama_3_70b, llama_num_params
 from pdserve.cli import main as cli
 from pdserve.engine.kimi_linear_config import KDA, MLA, KimiLinearConfig
 from pdserve.engine.kimi_tiny import kimi_tiny_config
 from pdserve.engine.tokenizer import load_tokenizer
 from pdserve.hardware.links import CHECKLIST_LINKS, link
+from pdserve.hardware.models import LLAMA_3_70B
 
 
 def test_llama_3_70b_reproduces_the_checklist_transfer_table():
@@ -39,7 +40,7 @@ def test_llama_3_70b_reproduces_the_checklist_transfer_table():
 
 
 def test_llama_3_70b_weights_and_their_duplication_against_fleet_size():
-    assert llama_num_params(LLAMA_3_70B) == 70_553_706_496  # "71 GB" at FP8
+    assert llama_num_params(LLAMA_3_70B.config) == 70_553_706_496  # "71 GB" at FP8
     d = duplication(llama_3_70b().weight_bytes, fleets=(2, 8, 16, 32))
     assert [round(r.weight_share, 4) for r in d.rows] == [0.441, 0.1102, 0.0551, 0.0276]
     assert (d.min_accelerators_per_copy, d.fleet_for_threshold) == (1, 18)

@@ -12,23 +12,7 @@ from pydantic import BaseModel, ConfigDict
 
 from pdserve.engine.kimi_linear_config import KimiLinearConfig
 from pdserve.engine.model_config import LlamaConfig
-
-# meta-llama/Meta-Llama-3-70B config.json (Hugging Face hub, as released by Meta, April 2024).
-LLAMA_3_70B = LlamaConfig(
-    vocab_size=128256,
-    hidden_size=8192,
-    intermediate_size=28672,
-    num_layers=80,
-    num_heads=64,
-    num_kv_heads=8,
-    head_dim=128,
-    rope_theta=500000.0,
-    rms_norm_eps=1e-5,
-    max_position_embeddings=8192,
-    tie_word_embeddings=False,
-    bos_token_id=128000,
-    eos_token_id=128001,
-)
+from pdserve.hardware.models import LLAMA_3_70B
 
 DTYPE_BYTES = {"fp32": 4, "bf16": 2, "fp16": 2, "fp8": 1}
 
@@ -154,8 +138,8 @@ def llama_3_70b(kv_dtype: str = "fp8", weight_dtype: str = "fp8") -> ModelSpec:
     """Llama-3-70B from its published config (the checklist's example: GQA-8, FP8 KV, FP8 weights)."""
     return llama_spec(
         "Llama-3-70B",
-        LLAMA_3_70B,
+        LLAMA_3_70B.config,
         kv_dtype,
         weight_dtype,
-        source="meta-llama/Meta-Llama-3-70B config.json (80 layers, 8 KV heads, head_dim 128)",
+        source=LLAMA_3_70B.source,
     )

@@ -12,6 +12,9 @@ from __future__ import annotations
 
 from pydantic import BaseModel, ConfigDict
 
+from pdserve.engine.model_config import LlamaConfig
+from pdserve.hardware.models import PUBLISHED_MODELS
+
 
 class ModelShape(BaseModel):
     """A model as the cost model sees it. Bytes at `dtype_bytes` per weight and per KV element;
@@ -58,67 +61,30 @@ class ModelShape(BaseModel):
         )
 
 
-def llama_shape(
-    name: str,
-    *,
-    vocab: int,
-    hidden: int,
-    intermediate: int,
-    layers: int,
-    heads: int,
-    kv_heads: int,
-    head_dim: int,
-    tied: bool,
-    dtype_bytes: int,
-    source: str,
-) -> ModelShape:
-    """A Llama (GQA) decoder's shape from its config.json fields."""
+def llama_shape(name: str, cfg: LlamaConfig, dtype_bytes: int, source: str) -> ModelShape:
+    """A Llama (GQA) decoder's shape from its config, weights and KV at `dtype_bytes` per element."""
+    hidden, heads, kv_heads, head_dim = cfg.hidden_size, cfg.num_heads, cfg.num_kv_heads, cfg.head_dim
     attn = hidden * heads * head_dim + 2 * hidden * kv_heads * head_dim + heads * head_dim * hidden
-    mlp = 3 * hidden * intermediate
+    mlp = 3 * hidden * cfg.intermediate_size
     return ModelShape(
         name=name,
         family="llama",
-        num_layers=layers,
+        num_layers=cfg.num_layers,
         hidden_size=hidden,
         num_heads=heads,
         head_dim=head_dim,
-        body_params=layers * (attn + mlp),
-        head_params=vocab * hidden,
-        embedding_params=0 if tied else vocab * hidden,
-        kv_bytes_per_token=layers * 2 * kv_heads * head_dim * dtype_bytes,
+        body_params=cfg.num_layers * (attn + mlp),
+        head_params=cfg.vocab_size * hidden,
+        embedding_params=0 if cfg.tie_word_embeddings else cfg.vocab_size * hidden,
+        kv_bytes_per_token=cfg.num_layers * 2 * kv_heads * head_dim * dtype_bytes,
         dtype_bytes=dtype_bytes,
         source=source,
     )
 
 
-# Published configs (the model cards' config.json), bf16 as served on GPUs.
+# The published configs (hardware/models.py), bf16 as served on GPUs.
 PUBLISHED: dict[str, ModelShape] = {
-    "llama-3-8b": llama_shape(
-        "llama-3-8b",
-        vocab=128256,
-        hidden=4096,
-        intermediate=14336,
-        layers=32,
-        heads=32,
-        kv_heads=8,
-        head_dim=128,
-        tied=False,
-        dtype_bytes=2,
-        source="https://huggingface.co/meta-llama/Meta-Llama-3-8B/blob/main/config.json",
-    ),
-    "llama-3-70b": llama_shape(
-        "llama-3-70b",
-        vocab=128256,
-        hidden=8192,
-        intermediate=28672,
-        layers=80,
-        heads=64,
-        kv_heads=8,
-        head_dim=128,
-        tied=False,
-        dtype_bytes=2,
-        source="https://huggingface.co/meta-llama/Meta-Llama-3-70B/blob/main/config.json",
-    ),
+    name: llama_shape(name, model.config, 2, model.source) for name, model in PUBLISHED_MODELS.items()
 }
 
 

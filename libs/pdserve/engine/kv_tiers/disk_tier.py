@@ -19,7 +19,7 @@ import numpy as np
 import torch
 
 from pdserve.engine.kv_tiers.checksum import block_digest
-from pdserve.engine.kv_tiers.tier import TierChange, WriteOn
+from pdserve.engine.kv_tiers.tier import TierChange, WriteOn, leading_run
 
 log = logging.getLogger(__name__)
 
@@ -54,10 +54,7 @@ class DiskTier:
 
     def lookup(self, block_hashes: Sequence[int]) -> int:
         with self._lock:
-            for i, h in enumerate(block_hashes):
-                if h not in self._digests:
-                    return i
-            return len(block_hashes)
+            return leading_run(block_hashes, self._digests)
 
     def put(self, block_hash: int, block: torch.Tensor) -> None:
         if self.capacity_blocks == 0:

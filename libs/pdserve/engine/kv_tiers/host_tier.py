@@ -16,7 +16,7 @@ from typing import NamedTuple
 import torch
 
 from pdserve.engine.kv_tiers.checksum import block_digest
-from pdserve.engine.kv_tiers.tier import TierChange, WriteOn
+from pdserve.engine.kv_tiers.tier import TierChange, WriteOn, leading_run
 
 
 class _Held(NamedTuple):
@@ -59,10 +59,7 @@ class HostOffloadTier:
 
     def lookup(self, block_hashes: Sequence[int]) -> int:
         with self._lock:
-            for i, h in enumerate(block_hashes):
-                if h not in self._blocks:
-                    return i
-            return len(block_hashes)
+            return leading_run(block_hashes, self._blocks)
 
     def put(self, block_hash: int, block: torch.Tensor) -> None:
         if self.capacity_blocks == 0:

@@ -23,7 +23,7 @@ truncates the hit there: the rest is recomputed, never read wrong.
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+from collections.abc import Container, Sequence
 from typing import Literal, NamedTuple, Protocol, runtime_checkable
 
 import torch
@@ -88,3 +88,11 @@ class ReportsChanges(Protocol):
 # `LLMEngine(model, config, stop_token_ids, tiers=[...])` takes the tiers in lookup order (offload, disk,
 # store); the worker builds that list from its settings (`workers/kv_tiers.py`, `build_tiers`), where a new
 # tier adds itself.
+
+
+def leading_run(block_hashes: Sequence[int], held: Container[int]) -> int:
+    """How many of `block_hashes`, from the first, are in `held`: a tier's `lookup` over what it holds."""
+    for i, h in enumerate(block_hashes):
+        if h not in held:
+            return i
+    return len(block_hashes)
