@@ -99,7 +99,7 @@ def test_a_corrupt_block_in_the_tier_is_detected_and_recomputed_with_identical_o
         run_one(engine, p, f"first-{i}")
     hashes = engine.block_manager.chain_hashes(Sequence("h", prompts[0]), 4)
     assert tier.lookup(hashes) == 4
-    tier._blocks[hashes[2]].block.view(-1)[5] += 0.5  # corrupt the third block's held copy
+    tier._blocks["kv", hashes[2]].block.view(-1)[5] += 0.5  # corrupt the third block's held copy
     again = run_one(engine, prompts[0], "again")
     assert tier.num_corrupt == 1
     assert again.cached_tokens_by_tier == {"offload": 2 * BS}  # the hit stops before the bad block
@@ -133,11 +133,3 @@ def test_kv_events_say_which_tier_gained_and_lost_each_block(model, prompts):
     assert pool_removed and set(offload_stored) == pool_removed
     held = set(offload_stored) - set(offload_removed)
     assert len(held) == 2 and all(h in tier for h in held)
-
-
-def test_a_model_with_recurrent_state_refuses_tiers(tmp_path):
-    from pdserve.engine.loader import build_model
-
-    kimi = build_model(load_model("kimi-tiny", tmp_path))
-    with pytest.raises(ValueError, match="recurrent state"):
-        LLMEngine(kimi, EngineConfig(num_blocks=8, block_size=BS), tiers=[HostOffloadTier(4)])

@@ -69,7 +69,7 @@ def test_a_corrupt_block_is_detected_dropped_and_reported():
     tier.put(1, block(1))
     tier.put(2, block(2))
     tier.take_changes()
-    tier._blocks[1].block.view(-1)[17] += 1.0  # a changed value in the held copy
+    tier._blocks["kv", 1].block.view(-1)[17] += 1.0  # a changed value in the held copy
     out = torch.empty(SHAPE)
     assert tier.get_into(1, out) is False
     assert 1 not in tier and tier.num_corrupt == 1

@@ -41,15 +41,19 @@ class AllBlocksCleared(_KVEvent):
 
 class CheckpointStored(_KVEvent):
     """A hybrid model's recurrent state after `num_tokens` tokens is now held, under the chained hash of the
-    block ending there (`engine/state_pool.py`): a prefix hit can resume from it."""
+    block ending there (`engine/state_pool.py`): a prefix hit can resume from it. `tier`: where — "pool"
+    (a slot of the state pool) or a tier below it ("offload", "disk": `engine/kv_tiers`)."""
 
     kind: Literal["CheckpointStored"] = "CheckpointStored"
     block_hash: int
     num_tokens: int
+    tier: str = "pool"
 
 
 class CheckpointRemoved(_KVEvent):
-    """State checkpoints evicted, by the hash they were stored under."""
+    """State checkpoints evicted, by the hash they were stored under, from the state pool (`tier` "pool",
+    where a tier below may still hold them) or from a tier below it."""
 
     kind: Literal["CheckpointRemoved"] = "CheckpointRemoved"
     block_hashes: tuple[int, ...]
+    tier: str = "pool"

@@ -10,7 +10,10 @@ state of a sequence after its last prefill chunk (`StepOutput.state` of its `pre
 With KV tiers (`tiers`: `engine/kv_tiers`, in lookup order), a full cached block the pool evicts is written
 down to the write_on="evict" tiers instead of dropped, each newly computed full block goes to the
 write_on="compute" tiers, and admission copies a prefix hit found in a tier back into the pool
-(`Scheduler`). The sequence's `cached_tokens_by_tier` says where its cached tokens came from.
+(`Scheduler`). The sequence's `cached_tokens_by_tier` says where its cached tokens came from. For a model
+with recurrent state the state checkpoints follow the blocks: one the state pool evicts is written down to
+the evict tiers that hold checkpoints, one saved goes to such compute tiers, and admission resumes from a
+tiered checkpoint longer than the pool's (`seq.checkpoint_tier`).
 """
 
 from __future__ import annotations
@@ -94,9 +97,10 @@ class LLMEngine:
     (a worker serializes calls with its compute lock and runs `step` in a thread).
 
     `stop_token_ids`: the model's EOS/stop tokens (a sequence with `ignore_eos` runs past them).
-    `tiers`: KV tiers below the pool, in lookup order (`kv_tiers.tier.KVTier`); none for a model with
-    recurrent state (ValueError). `tier_writer_thread`: store written-down blocks in a background thread
-    (False: inline, deterministic for tests). Call `close` to stop that thread.
+    `tiers`: KV tiers below the pool, in lookup order (`kv_tiers.tier.KVTier`); for a model with recurrent
+    state they hold its checkpoints too (those with `holds_checkpoints`). `tier_writer_thread`: store
+    written-down blocks in a background thread (False: inline, deterministic for tests). Call `close` to
+    stop that thread.
     """
 
     def __init__(
@@ -119,11 +123,11 @@ class LLMEngine:
         self.runner = ModelRunner(model, config.num_blocks, config.block_size, self.state_pool)
         self.tiers: KVTierSet | None = None
         if tiers:
-            if self.state_pool is not None:
-                raise ValueError("KV tiers do not hold recurrent state checkpoints: no tiers for this model")
             self.tiers = KVTierSet(tiers, self.runner.kv_cache, background=tier_writer_thread)
             self.block_manager.record_evictions = bool(self.tiers.evict_tiers)
             self.block_manager.record_computed = bool(self.tiers.compute_tiers)
+            if self.state_pool is not None:
+                self._tier_checkpoints(self.state_pool, self.tiers)
         self.scheduler = Scheduler(
             self.block_manager, SchedulerConfig(config.max_num_batched_tokens, config.max_num_seqs, max_len),
             self.state_pool, self.tiers,
@@ -268,6 +272,16 @@ class LLMEngine:
             appended = () if reason is FinishReason.STOP else (token,)
             results.append(StepOutput(seq, token, appended, reason, logprobs=logprobs))
         return results
+
+    @staticmethod
+    def _tier_checkpoints(pool: StatePool, tiers: KVTierSet) -> None:
+        """Wire the state pool's checkpoints to the tiers: evicted ones written down, saved ones stored."""
+        if tiers.wants_checkpoints("evict"):
+            pool.on_checkpoint_evicted = (
+                lambda h, n, slot: tiers.write_down_checkpoint(h, n, pool.pack_slot(slot)))
+        if tiers.wants_checkpoints("compute"):
+            pool.on_checkpoint_saved = (
+                lambda h, n, slot: tiers.write_computed_checkpoint(h, n, pool.pack_slot(slot)))
 
     def _write_computed(self) -> None:
         if self.tiers is not None:

@@ -14,7 +14,10 @@ hit); preemption and `release` give both back.
 With KV tiers below the pool (`kv_tiers.KVTierSet`), admission continues a pool prefix hit into the tiers:
 the blocks the allocation evicted are written down first (their KV still in place), then the leading
 blocks after the pool hit that a tier holds are copied back into the sequence's new blocks and registered
-as cached, so its prefill starts after them.
+as cached, so its prefill starts after them. For a hybrid the hit is the pair (KV hit L, checkpoint C <= L):
+when the state pool's own checkpoint is missing or shorter than the longest checkpoint position within L, the
+tiers are asked for the longest one longer than the pool's (`KVTierSet.load_checkpoint`, falling back to
+shorter ones on a failed read); one found is restored into the new slot and the prefill resumes from it.
 """
 
 from __future__ import annotations
@@ -22,6 +25,8 @@ from __future__ import annotations
 from collections import deque
 from dataclasses import dataclass
 from typing import NamedTuple
+
+import torch
 
 from pdserve.engine.block_manager import BlockManager
 from pdserve.engine.kv_tiers.tier_set import KVTierSet
@@ -65,9 +70,6 @@ class Scheduler:
     ) -> None:
         if config.max_num_batched_tokens < 1 or config.max_num_seqs < 1:
             raise ValueError(f"budgets must be positive: {config}")
-        if tiers is not None and state_pool is not None:
-            raise ValueError("KV tiers do not hold recurrent state checkpoints: no tiers for a model "
-                             "with state")
         self.block_manager = block_manager
         self.state_pool = state_pool
         self.tiers = tiers
@@ -107,7 +109,28 @@ class Scheduler:
             if use_prefix_cache:
                 self._load_from_tiers(seq)
         if self.state_pool is not None:
-            self.state_pool.allocate(seq, resume=resume_state and use_prefix_cache)
+            resume = resume_state and use_prefix_cache
+            restored = self._checkpoint_from_tiers(seq) if resume else None
+            self.state_pool.allocate(seq, resume=resume, restored=restored)
+
+    def _checkpoint_from_tiers(self, seq: Sequence) -> tuple[int, torch.Tensor] | None:
+        """A checkpoint within `seq`'s KV hit longer than the state pool's own, read back from the tiers
+        (num_tokens, packed state), or None; sets `seq.checkpoint_tier` to where the resumed one is."""
+        pool = self.state_pool
+        assert pool is not None
+        seq.checkpoint_tier = "pool"
+        if self.tiers is None:
+            return None
+        found = pool.find_checkpoint(seq)
+        candidates = pool.checkpoint_candidates(seq, longer_than=found[1][1] if found else 0)
+        if not candidates:
+            return None
+        packed = torch.empty(pool.packed_bytes, dtype=torch.uint8)
+        got = self.tiers.load_checkpoint(candidates, packed)
+        if got is None:
+            return None
+        seq.checkpoint_tier = got[1]
+        return got[0], packed
 
     def write_down_evicted(self) -> None:
         """Hand the blocks evicted since the last call to the tiers (snapshotted now, before anything

@@ -67,6 +67,7 @@ class Sequence:
         self.num_cached_tokens = 0
         self.cached_tokens_by_tier: dict[str, int] = {}  # num_cached_tokens by where they came from
         self.num_checkpoint_tokens = 0
+        self.checkpoint_tier = "pool"  # where that checkpoint was: "pool" or a KV tier ("offload", "disk")
         self.state_slot: int | None = None
         self.block_table: list[int] = []
         self.block_hashes: list[int] = []  # chained hashes of the full blocks registered so far

@@ -20,6 +20,11 @@ as `num_cached_tokens` and `num_checkpoint_tokens`.
 Slots are live (held by a sequence), checkpoints (evictable, least recently used first) or free. A live
 allocation takes a free slot, else evicts the oldest checkpoint; a checkpoint is saved only into a free or
 evicted-checkpoint slot, never a live one (when every slot is live, the checkpoint is skipped).
+
+With KV tiers below the pools (`engine/kv_tiers`), a checkpoint the pool evicts is handed, packed
+(`pack_slot`), to `on_checkpoint_evicted` before its slot is reused, and one just saved to
+`on_checkpoint_saved`; at admission a longer checkpoint read back from a tier can be restored into the new
+slot instead (`allocate(restored=...)`, the candidates from `checkpoint_candidates`).
 """
 
 from __future__ import annotations
@@ -113,6 +118,9 @@ class StatePool:
         self.events: list[CheckpointStored | CheckpointRemoved] = []
         self.num_checkpoint_hits = 0  # admissions that resumed from a checkpoint
         self.num_checkpoint_tokens = 0  # tokens those checkpoints covered
+        # (block_hash, num_tokens, slot): a checkpoint leaving / entering the pool, its state still in `slot`
+        self.on_checkpoint_evicted: Callable[[int, int, int], None] | None = None
+        self.on_checkpoint_saved: Callable[[int, int, int], None] | None = None
 
     # ------------------------------------------------------------ capacity
 
@@ -134,16 +142,19 @@ class StatePool:
 
     # ------------------------------------------------------------ allocate / free
 
-    def allocate(self, seq: Sequence, resume: bool = True) -> None:
+    def allocate(
+        self, seq: Sequence, resume: bool = True, restored: tuple[int, torch.Tensor] | None = None
+    ) -> None:
         """Give `seq` (holding no slot) a zeroed slot. With `resume`, restore the longest checkpoint within
         its KV prefix hit (`seq.num_cached_tokens`, chained hashes in `seq.block_hashes`, as
         `BlockManager.allocate` leaves them) and set `num_checkpoint_tokens` = `num_computed_tokens` = its
         length (0 without one). Without `resume` (the state will be installed: `install`), neither changes
-        but `num_checkpoint_tokens` = 0.
+        but `num_checkpoint_tokens` = 0. `restored` (with `resume`): (num_tokens, packed state as
+        `pack_slot` gives it), a checkpoint read back from a tier, used instead of the pool's.
         Raises NoFreeStateSlots (nothing changed), ValueError when `seq` holds a slot."""
         if seq.state_slot is not None:
             raise ValueError(f"{seq.request_id} already holds state slot {seq.state_slot}")
-        found = self.find_checkpoint(seq) if resume else None
+        found = self.find_checkpoint(seq) if resume and restored is None else None
         if found is not None:
             self.checkpoints.move_to_end(found[0])  # most recently used: evicted last
         slot = self._take_slot(evict=True)
@@ -152,7 +163,12 @@ class StatePool:
         self.live[slot] = seq.request_id
         seq.state_slot = slot
         seq.num_checkpoint_tokens = 0
-        if found is None:
+        if resume and restored is not None:
+            self.unpack_slot(slot, restored[1])
+            seq.num_checkpoint_tokens = restored[0]
+            self.num_checkpoint_hits += 1
+            self.num_checkpoint_tokens += restored[0]
+        elif found is None:
             self._zero(slot)
         else:
             _, (source, num_tokens) = found
@@ -210,6 +226,42 @@ class StatePool:
                 return block_hash, self.checkpoints[block_hash]
         return None
 
+    def checkpoint_candidates(self, seq: Sequence, longer_than: int = 0) -> list[tuple[int, int]]:
+        """Every checkpoint position within `seq`'s KV prefix hit longer than `longer_than` tokens, as
+        (block hash, num_tokens), longest first: where a tier may hold one to resume from."""
+        interval = self.checkpoint_interval
+        if not interval:
+            return []
+        return [(seq.block_hashes[n // self.block_size - 1], n)
+                for n in range(seq.num_cached_tokens // interval * interval, longer_than, -interval)]
+
+    @property
+    def packed_bytes(self) -> int:
+        """Bytes of one slot's state packed (`pack_slot`): `layout.bytes_per_slot` of the pool's dtypes."""
+        return sum(pool[0].numel() * pool[0].element_size() for pools in self.tensors.values()
+                   for pool in pools[:1]) * self.layout.num_layers
+
+    def pack_slot(self, slot: int) -> torch.Tensor:
+        """A copy of slot `slot`'s whole state as one uint8 CPU tensor [packed_bytes]: each state tensor
+        (layout order) of each layer, its bytes concatenated — what a KV tier stores as a checkpoint."""
+        parts = [pool[slot].contiguous().reshape(-1).view(torch.uint8)
+                 for pools in self.tensors.values() for pool in pools]
+        return torch.cat(parts).cpu()
+
+    def unpack_slot(self, slot: int, packed: torch.Tensor) -> None:
+        """Overwrite slot `slot` with a state packed by `pack_slot`. Raises ValueError for another size."""
+        if packed.dtype != torch.uint8 or packed.numel() != self.packed_bytes:
+            raise ValueError(
+                f"{packed.numel()} packed {packed.dtype} bytes, expected {self.packed_bytes} uint8")
+        offset = 0
+        for pools in self.tensors.values():
+            for pool in pools:
+                target = pool[slot]
+                n = target.numel() * target.element_size()
+                src = packed[offset:offset + n].to(target.device).view(target.dtype).view(target.shape)
+                target.copy_(src)
+                offset += n
+
     def plan_checkpoints(
         self, batch: Iterable[tuple[Sequence, int]], hashes: Callable[[Sequence, int], list[int]]
     ) -> list[tuple[CheckpointSave, ...]]:
@@ -244,6 +296,8 @@ class StatePool:
                     continue
                 self.checkpoints[save.block_hash] = (save.slot, save.num_tokens)
                 self.events.append(CheckpointStored(block_hash=save.block_hash, num_tokens=save.num_tokens))
+                if self.on_checkpoint_saved is not None:
+                    self.on_checkpoint_saved(save.block_hash, save.num_tokens, save.slot)
 
     def cancel_checkpoints(self, plan: list[tuple[CheckpointSave, ...]]) -> None:
         """Return a plan's slots unregistered (its forward did not run)."""
@@ -271,8 +325,10 @@ class StatePool:
         if self.free_slots:
             return self.free_slots.popleft()
         if evict and self.checkpoints:
-            block_hash, (slot, _) = self.checkpoints.popitem(last=False)
+            block_hash, (slot, num_tokens) = self.checkpoints.popitem(last=False)
             self.events.append(CheckpointRemoved(block_hashes=(block_hash,)))
+            if self.on_checkpoint_evicted is not None:  # its state is still in the slot: snapshot now
+                self.on_checkpoint_evicted(block_hash, num_tokens, slot)
             return slot
         return None
 

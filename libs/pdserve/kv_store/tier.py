@@ -27,7 +27,7 @@ from collections.abc import Sequence
 import torch
 import xxhash
 
-from pdserve.engine.kv_tiers.tier import TierChange
+from pdserve.engine.kv_tiers.tier import KeySpace, TierChange
 from pdserve.kv_store.client import OBJECT_NOT_FOUND, MooncakeClient, StoreFailed
 from pdserve.telemetry import metrics
 
@@ -65,6 +65,7 @@ class MooncakeStoreTier:
 
     name = "store"
     write_on = "compute"
+    holds_checkpoints = False  # one value size, the block's: a hybrid's state checkpoints are not stored
 
     def __init__(self, client: MooncakeClient, namespace: str, block_shape: Sequence[int],
                  dtype: torch.dtype, *, worker_id: str = "") -> None:
@@ -102,10 +103,10 @@ class MooncakeStoreTier:
         metrics.KV_STORE_BYTES.labels(worker_id=self.worker_id, op=op).inc(nbytes)
         metrics.KV_STORE_SECONDS.labels(worker_id=self.worker_id, op=op).observe(seconds)
 
-    def lookup(self, block_hashes: Sequence[int]) -> int:
+    def lookup(self, block_hashes: Sequence[int], space: KeySpace = "kv") -> int:
         """How many leading blocks of the chain the store holds (one `batch_is_exist`); 0 when the store
-        is down or slow (at most `timeouts.lookup_s`)."""
-        if not block_hashes:
+        is down or slow (at most `timeouts.lookup_s`), or for `space="checkpoint"` (not held here)."""
+        if not block_hashes or space != "kv":
             return 0
         try:
             held = self.client.exists([store_key(self.namespace, h) for h in block_hashes])
@@ -117,10 +118,12 @@ class MooncakeStoreTier:
             n += 1
         return n
 
-    def put(self, block_hash: int, block: torch.Tensor) -> None:
+    def put(self, block_hash: int, block: torch.Tensor, space: KeySpace = "kv") -> None:
         """Publish `block` under `block_hash` with its checksum. Drops it (counted in
         `kv_store_failures{op="put"}`) when the shape or dtype is not this tier's, or the store refuses,
-        fails or is slow; never raises."""
+        fails or is slow; never raises. A checkpoint (`space="checkpoint"`) is not held: dropped."""
+        if space != "kv":
+            return
         if tuple(block.shape) != self.block_shape or block.dtype != self.dtype:
             log.error("kv store: block %s %s is not this tier's %s %s", tuple(block.shape), block.dtype,
                       self.block_shape, self.dtype)
@@ -144,10 +147,12 @@ class MooncakeStoreTier:
         self._observe("put", self.value_bytes, time.perf_counter() - started)
         self._changed(True, block_hash)
 
-    def get_into(self, block_hash: int, out: torch.Tensor) -> bool:
+    def get_into(self, block_hash: int, out: torch.Tensor, space: KeySpace = "kv") -> bool:
         """Copy the block under `block_hash` into `out` (this tier's shape and dtype, contiguous CPU) if the
         store holds it whole and its checksum matches. False otherwise (a corrupt copy is also removed from
-        the store and counted as `reason="checksum"`); never raises."""
+        the store and counted as `reason="checksum"`; a checkpoint, never held); never raises."""
+        if space != "kv":
+            return False
         started = time.perf_counter()
         key = store_key(self.namespace, block_hash)
         try:

@@ -26,7 +26,9 @@ the "overlap score" of Dynamo's KV router (docs.nvidia.com/dynamo, Router → Ro
 A hybrid model's workers also publish their recurrent-state checkpoints (`CheckpointStored` /
 `CheckpointRemoved`, under the chained hash of the block ending at the checkpoint): the index keeps each
 worker's set of them, wiped with its blocks, and `checkpoint_blocks` finds the longest one within a KV
-hit — where that worker's prefill would resume (`engine/state_pool.py: StatePool.find_checkpoint`).
+hit — where that worker's prefill would resume (`engine/state_pool.py: StatePool.find_checkpoint`); a
+checkpoint event's `tier` keeps the state pool's apart from those written down to a tier below it, and
+both count (a worker reads a tiered checkpoint back at admission).
 Tiers below the pool (issue 16, `engine/kv_tiers`): events labelled with another `tier` than "pool" (a
 worker's "offload" tier) are kept per worker and tier beside the pool's hashes, outside the digest (which
 covers the pool only), and wiped with the worker on a gap or a restart. `overlaps_by_tier` walks the
@@ -77,6 +79,7 @@ class WorkerBlocks:
     last_heard: float = 0.0
     digest_ahead: int | None = None  # seq of a digest that arrived before its batches
     checkpoints: set[int] = field(default_factory=set)  # block hashes a state checkpoint is stored under
+    tier_checkpoints: dict[str, set[int]] = field(default_factory=dict)  # tier below the pool → those
     tiers: dict[str, set[int]] = field(default_factory=dict)  # tier below the pool → hashes it holds
 
 
@@ -117,6 +120,7 @@ class KVIndex:
         w.hashes = set()
         w.xor_hashes = 0
         w.checkpoints = set()
+        w.tier_checkpoints = {}
         w.tiers = {}
 
     def _store(self, w: WorkerBlocks, hashes: Iterable[int]) -> None:
@@ -168,9 +172,11 @@ class KVIndex:
             elif isinstance(ev, BlockRemoved):
                 self._remove(w, ev.block_hashes)
             elif isinstance(ev, CheckpointStored):
-                w.checkpoints.add(ev.block_hash)
+                held = w.checkpoints if ev.tier == POOL else w.tier_checkpoints.setdefault(ev.tier, set())
+                held.add(ev.block_hash)
             elif isinstance(ev, CheckpointRemoved):
-                w.checkpoints.difference_update(ev.block_hashes)
+                held = w.checkpoints if ev.tier == POOL else w.tier_checkpoints.setdefault(ev.tier, set())
+                held.difference_update(ev.block_hashes)
             elif isinstance(ev, AllBlocksCleared):
                 self._clear(w)
                 w.partial = False
@@ -262,19 +268,26 @@ class KVIndex:
     def checkpoint_blocks(self, block_hashes: Sequence[int], worker_id: str, max_blocks: int) -> int:
         """The longest state checkpoint `worker_id` holds within the first `max_blocks` of `block_hashes`
         (a prompt's chained hashes; `max_blocks` its KV hit there), in blocks: the largest i <= max_blocks
-        whose block i - 1 has a checkpoint stored under its hash, 0 when none (or the worker is unknown)."""
+        whose block i - 1 has a checkpoint stored under its hash, in its state pool or a tier below it
+        (the worker reads a tiered one back: `engine/scheduler.py`), 0 when none (or the worker is
+        unknown)."""
         w = self._workers.get(worker_id)
-        if w is None or not w.checkpoints:
+        if w is None:
+            return 0
+        sets = [w.checkpoints, *w.tier_checkpoints.values()]
+        if not any(sets):
             return 0
         for i in range(min(max_blocks, len(block_hashes)), 0, -1):
-            if block_hashes[i - 1] in w.checkpoints:
+            if any(block_hashes[i - 1] in held for held in sets):
                 return i
         return 0
 
-    def num_checkpoints(self, worker_id: str) -> int:
-        """State checkpoints indexed for one worker."""
+    def num_checkpoints(self, worker_id: str, tier: str = POOL) -> int:
+        """State checkpoints indexed for one worker in `tier` ("pool": its state pool, or a tier below)."""
         w = self._workers.get(worker_id)
-        return len(w.checkpoints) if w else 0
+        if w is None:
+            return 0
+        return len(w.checkpoints if tier == POOL else w.tier_checkpoints.get(tier, ()))
 
     def overlaps_by_tier(self, block_hashes: Sequence[int], worker_id: str) -> dict[str, int]:
         """How many of `block_hashes`' leading run `worker_id` holds, split by tier: each block counted at

@@ -1,10 +1,11 @@
 """The disk tier: KV blocks as files under a directory, below the offload tier, LRU, checksummed (issue 16).
 
-One file per block, `<block hash as 16 hex digits>.kv`, the block's raw bytes (its dtype and shape are the
-pool's, the same for every block of a worker); the xxh3-64 digest of each file's bytes is kept in memory
-and verified on every read, so a file changed, truncated or removed behind the tier's back reads as a miss.
-The directory is the tier's own: files left by an earlier process are removed at start (their digests
-are gone with it).
+One file per block, `<block hash as 16 hex digits>.kv` (a state checkpoint, `space="checkpoint"`:
+`.checkpoint`, one slot's packed state; the capacity counts both), the block's raw bytes (its dtype and
+shape are the pool's, the same for every block of a worker); the xxh3-64 digest of each file's bytes is
+kept in memory and verified on every read, so a file changed, truncated or removed behind the tier's
+back reads as a miss. The directory is the tier's own: files left by an earlier process are removed at
+start (their digests are gone with it).
 """
 
 from __future__ import annotations
@@ -19,9 +20,11 @@ import numpy as np
 import torch
 
 from pdserve.engine.kv_tiers.checksum import block_digest
-from pdserve.engine.kv_tiers.tier import TierChange, WriteOn, leading_run
+from pdserve.engine.kv_tiers.tier import KeySpace, TierChange, WriteOn, leading_run
 
 log = logging.getLogger(__name__)
+
+_SUFFIX: dict[KeySpace, str] = {"kv": ".kv", "checkpoint": ".checkpoint"}
 
 
 class DiskTier:
@@ -30,6 +33,7 @@ class DiskTier:
     logged; a failed read is a miss. Raises ValueError for a negative capacity."""
 
     write_on: WriteOn = "evict"
+    holds_checkpoints = True
 
     def __init__(self, directory: Path, capacity_blocks: int, name: str = "disk") -> None:
         if capacity_blocks < 0:
@@ -37,10 +41,12 @@ class DiskTier:
         self.name = name
         self.directory = Path(directory)
         self.directory.mkdir(parents=True, exist_ok=True)
-        for stale in self.directory.glob("*.kv"):
-            stale.unlink(missing_ok=True)
+        for suffix in _SUFFIX.values():
+            for stale in self.directory.glob(f"*{suffix}"):
+                stale.unlink(missing_ok=True)
         self.capacity_blocks = capacity_blocks
-        self._digests: OrderedDict[int, int] = OrderedDict()  # hash → digest; first = least recent
+        # (space, hash) → digest; first = least recently used
+        self._digests: OrderedDict[tuple[KeySpace, int], int] = OrderedDict()
         self._lock = threading.Lock()
         self._changes: list[TierChange] = []
         self.num_corrupt = 0
@@ -49,47 +55,50 @@ class DiskTier:
     def num_blocks(self) -> int:
         return len(self._digests)
 
-    def path(self, block_hash: int) -> Path:
-        return self.directory / f"{block_hash:016x}.kv"
+    def path(self, block_hash: int, space: KeySpace = "kv") -> Path:
+        return self.directory / f"{block_hash:016x}{_SUFFIX[space]}"
 
-    def lookup(self, block_hashes: Sequence[int]) -> int:
+    def lookup(self, block_hashes: Sequence[int], space: KeySpace = "kv") -> int:
         with self._lock:
-            return leading_run(block_hashes, self._digests)
+            return leading_run(block_hashes, self._digests, space)
 
-    def put(self, block_hash: int, block: torch.Tensor) -> None:
+    def put(self, block_hash: int, block: torch.Tensor, space: KeySpace = "kv") -> None:
         if self.capacity_blocks == 0:
             return
+        key = (space, block_hash)
         with self._lock:
-            if block_hash in self._digests:
-                self._digests.move_to_end(block_hash)
+            if key in self._digests:
+                self._digests.move_to_end(key)
                 return
             evicted = []
             while len(self._digests) >= self.capacity_blocks:
-                h, _ = self._digests.popitem(last=False)
-                evicted.append(h)
-                self._changes.append(TierChange(False, h))
-        for h in evicted:
-            self.path(h).unlink(missing_ok=True)
+                (s, h), _ = self._digests.popitem(last=False)
+                evicted.append((s, h))
+                self._changes.append(TierChange(False, h, s))
+        for s, h in evicted:
+            self.path(h, s).unlink(missing_ok=True)
         data = block.contiguous()
+        path = self.path(block_hash, space)
         try:
-            data.reshape(-1).view(torch.uint8).numpy().tofile(self.path(block_hash))
+            data.reshape(-1).view(torch.uint8).numpy().tofile(path)
         except OSError:
-            log.exception("disk tier: writing block %016x failed", block_hash)
-            self.path(block_hash).unlink(missing_ok=True)
+            log.exception("disk tier: writing %s %016x failed", space, block_hash)
+            path.unlink(missing_ok=True)
             return
         digest = block_digest(data)
         with self._lock:
-            self._digests[block_hash] = digest
-            self._changes.append(TierChange(True, block_hash))
+            self._digests[key] = digest
+            self._changes.append(TierChange(True, block_hash, space))
 
-    def get_into(self, block_hash: int, out: torch.Tensor) -> bool:
+    def get_into(self, block_hash: int, out: torch.Tensor, space: KeySpace = "kv") -> bool:
+        key = (space, block_hash)
         with self._lock:
-            digest = self._digests.get(block_hash)
+            digest = self._digests.get(key)
             if digest is None:
                 return False
-            self._digests.move_to_end(block_hash)
+            self._digests.move_to_end(key)
         try:
-            raw = np.fromfile(self.path(block_hash), dtype=np.uint8)
+            raw = np.fromfile(self.path(block_hash, space), dtype=np.uint8)
             view = out.reshape(-1).view(torch.uint8)
             if raw.size != view.numel():
                 raise ValueError(f"{raw.size} bytes on disk, {view.numel()} expected")
@@ -99,10 +108,10 @@ class DiskTier:
             ok = False
         if not ok:
             with self._lock:
-                if self._digests.pop(block_hash, None) is not None:
-                    self._changes.append(TierChange(False, block_hash))
+                if self._digests.pop(key, None) is not None:
+                    self._changes.append(TierChange(False, block_hash, space))
                 self.num_corrupt += 1
-            self.path(block_hash).unlink(missing_ok=True)
+            self.path(block_hash, space).unlink(missing_ok=True)
         return ok
 
     def take_changes(self) -> list[TierChange]:

@@ -16,7 +16,7 @@ from typing import NamedTuple
 import torch
 
 from pdserve.engine.kv_tiers.checksum import block_digest
-from pdserve.engine.kv_tiers.tier import TierChange, WriteOn, leading_run
+from pdserve.engine.kv_tiers.tier import KeySpace, TierChange, WriteOn, leading_run
 
 
 class _Held(NamedTuple):
@@ -32,16 +32,19 @@ class HostOffloadTier:
 
     Memory: capacity_blocks × the block's bytes (num_paged_layers × block_size × row bytes; SmolLM2 fp32:
     16 tokens × 45 KiB = 720 KiB a block). Raises ValueError for a negative capacity; 0 holds nothing.
+    State checkpoints (`space="checkpoint"`, `tier.KVTier`) share the capacity: `capacity_blocks` bounds
+    blocks and checkpoints together, keyed by (space, hash).
     """
 
     write_on: WriteOn = "evict"
+    holds_checkpoints = True
 
     def __init__(self, capacity_blocks: int, name: str = "offload") -> None:
         if capacity_blocks < 0:
             raise ValueError(f"capacity_blocks must be >= 0, got {capacity_blocks}")
         self.name = name
         self.capacity_blocks = capacity_blocks
-        self._blocks: OrderedDict[int, _Held] = OrderedDict()  # first = least recently used
+        self._blocks: OrderedDict[tuple[KeySpace, int], _Held] = OrderedDict()  # first = least recent
         self._lock = threading.Lock()
         self._changes: list[TierChange] = []
         self.num_puts = 0
@@ -51,43 +54,51 @@ class HostOffloadTier:
 
     @property
     def num_blocks(self) -> int:
-        """Blocks held now, <= capacity_blocks."""
+        """Entries held now (KV blocks and checkpoints), <= capacity_blocks."""
         return len(self._blocks)
 
-    def __contains__(self, block_hash: int) -> bool:
-        return block_hash in self._blocks
-
-    def lookup(self, block_hashes: Sequence[int]) -> int:
+    @property
+    def num_checkpoints(self) -> int:
+        """State checkpoints held now."""
         with self._lock:
-            return leading_run(block_hashes, self._blocks)
+            return sum(1 for space, _ in self._blocks if space == "checkpoint")
 
-    def put(self, block_hash: int, block: torch.Tensor) -> None:
+    def __contains__(self, block_hash: int) -> bool:
+        return ("kv", block_hash) in self._blocks
+
+    def lookup(self, block_hashes: Sequence[int], space: KeySpace = "kv") -> int:
+        with self._lock:
+            return leading_run(block_hashes, self._blocks, space)
+
+    def put(self, block_hash: int, block: torch.Tensor, space: KeySpace = "kv") -> None:
         if self.capacity_blocks == 0:
             return
+        key = (space, block_hash)
         with self._lock:
-            if block_hash in self._blocks:
-                self._blocks.move_to_end(block_hash)
+            if key in self._blocks:
+                self._blocks.move_to_end(key)
                 return
         copy = block.clone(memory_format=torch.contiguous_format)  # outside the lock: the big part
         held = _Held(copy, block_digest(copy))
         with self._lock:
-            if block_hash in self._blocks:
-                self._blocks.move_to_end(block_hash)
+            if key in self._blocks:
+                self._blocks.move_to_end(key)
                 return
             while len(self._blocks) >= self.capacity_blocks:
-                evicted, _ = self._blocks.popitem(last=False)
+                (evicted_space, evicted), _ = self._blocks.popitem(last=False)
                 self.num_evictions += 1
-                self._changes.append(TierChange(False, evicted))
-            self._blocks[block_hash] = held
+                self._changes.append(TierChange(False, evicted, evicted_space))
+            self._blocks[key] = held
             self.num_puts += 1
-            self._changes.append(TierChange(True, block_hash))
+            self._changes.append(TierChange(True, block_hash, space))
 
-    def get_into(self, block_hash: int, out: torch.Tensor) -> bool:
+    def get_into(self, block_hash: int, out: torch.Tensor, space: KeySpace = "kv") -> bool:
+        key = (space, block_hash)
         with self._lock:
-            held = self._blocks.get(block_hash)
+            held = self._blocks.get(key)
             if held is None:
                 return False
-            self._blocks.move_to_end(block_hash)
+            self._blocks.move_to_end(key)
         try:
             out.copy_(held.block)
             ok = block_digest(out) == held.digest
@@ -95,9 +106,9 @@ class HostOffloadTier:
             return False
         if not ok:
             with self._lock:
-                if self._blocks.get(block_hash) is held:
-                    del self._blocks[block_hash]
-                    self._changes.append(TierChange(False, block_hash))
+                if self._blocks.get(key) is held:
+                    del self._blocks[key]
+                    self._changes.append(TierChange(False, block_hash, space))
                 self.num_corrupt += 1
             return False
         self.num_hits += 1

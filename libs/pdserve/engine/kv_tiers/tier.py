@@ -19,6 +19,15 @@ Which blocks a tier receives is its `write_on`:
 At admission the engine looks a pool miss up in its tiers in order (`lookup`), copies the hit back into newly
 allocated blocks (`get_into`) and registers them as cached, so the prefill skips them. A False from `get_into`
 truncates the hit there: the rest is recomputed, never read wrong.
+
+A tier that says `holds_checkpoints` also holds a hybrid model's recurrent-state checkpoints
+(`engine/state_pool.py`) in a second key space, `space="checkpoint"`: the same three calls, keyed by the
+chained hash of the block ending at the checkpoint, the value one slot's whole state packed into a uint8
+tensor (`StatePool.pack_slot`: every state tensor of every layer, bytes concatenated). A key in one space
+never answers for the other, and a tier's capacity counts the entries of both spaces together. Checkpoints
+go where blocks go: evicted from the state pool's checkpoints to the write_on="evict" tiers, saved to the
+write_on="compute" ones; at admission the longest one within the KV hit, longer than the pool's own, is
+copied back into the sequence's state slot (`KVTierSet.load_checkpoint`).
 """
 
 from __future__ import annotations
@@ -30,6 +39,8 @@ import torch
 
 TierName = Literal["offload", "disk", "store"]
 WriteOn = Literal["evict", "compute"]
+KeySpace = Literal["kv", "checkpoint"]
+"""What a tier key names: "kv" a KV block, "checkpoint" a recurrent-state checkpoint (see the module)."""
 
 
 @runtime_checkable
@@ -46,19 +57,23 @@ class KVTier(Protocol):
     """"evict": written when the pool evicts a full cached block (offload, disk); "compute": written once a
     full block is computed (store)."""
 
-    def lookup(self, block_hashes: Sequence[int]) -> int:
+    holds_checkpoints: bool
+    """Whether the tier takes `space="checkpoint"` (offload, disk: True; store: False, it holds blocks
+    of one fixed size only)."""
+
+    def lookup(self, block_hashes: Sequence[int], space: KeySpace = "kv") -> int:
         """How many leading hashes of `block_hashes` (a chain, first block first) this tier holds, 0..len.
         A hint: a later `get_into` may still miss (evicted meanwhile, corrupt). Never raises."""
         ...
 
-    def put(self, block_hash: int, block: torch.Tensor) -> None:
+    def put(self, block_hash: int, block: torch.Tensor, space: KeySpace = "kv") -> None:
         """Hold a copy of `block` ([num_paged_layers, block_size, *paged_row_shape], model dtype, contiguous
         CPU) under `block_hash`, with its checksum (`kv_tiers.checksum.block_digest`). The tier may refuse
         it or evict others (LRU) but never holds more than its capacity. The caller may reuse `block`
         once this returns. Never raises for a full or failing tier (it drops the block)."""
         ...
 
-    def get_into(self, block_hash: int, out: torch.Tensor) -> bool:
+    def get_into(self, block_hash: int, out: torch.Tensor, space: KeySpace = "kv") -> bool:
         """Copy the block held under `block_hash` into `out` (same shape and dtype as put). False on a miss,
         a checksum mismatch (the bad copy is dropped) or any error: the caller recomputes; `out`'s
         contents are then unspecified. Never raises."""
@@ -67,10 +82,11 @@ class KVTier(Protocol):
 
 class TierChange(NamedTuple):
     """One change to what a per-worker tier holds: `stored` True = `block_hash` now held, False = dropped
-    (LRU eviction, corrupt copy)."""
+    (LRU eviction, corrupt copy), in key space `space`."""
 
     stored: bool
     block_hash: int
+    space: KeySpace = "kv"
 
 
 @runtime_checkable
@@ -90,9 +106,11 @@ class ReportsChanges(Protocol):
 # tier adds itself.
 
 
-def leading_run(block_hashes: Sequence[int], held: Container[int]) -> int:
-    """How many of `block_hashes`, from the first, are in `held`: a tier's `lookup` over what it holds."""
+def leading_run(block_hashes: Sequence[int], held: Container[int] | Container[tuple[str, int]],
+                space: KeySpace | None = None) -> int:
+    """How many of `block_hashes`, from the first, are in `held`: a tier's `lookup` over what it holds
+    (keyed by hash, or with `space` by (space, hash))."""
     for i, h in enumerate(block_hashes):
-        if h not in held:
+        if (h if space is None else (space, h)) not in held:
             return i
     return len(block_hashes)

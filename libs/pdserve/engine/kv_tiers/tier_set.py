@@ -6,6 +6,11 @@ Correctness rests on one ordering: a pool block's KV is snapshotted (`write_down
 write into that block again — the engine calls it right after every allocation, before a forward or a KV
 transfer touches the blocks — and a block written down but not yet stored by the writer is served from its
 snapshot (`pending`), so a block evicted and asked for again a moment later is still a hit.
+
+A hybrid model's state checkpoints (`engine/state_pool.py`) take the same path in the "checkpoint" key
+space of the tiers that hold them (`KVTier.holds_checkpoints`): snapshotted when the state pool evicts
+(or, for the compute tiers, saves) one, stored by the writer, and read back at admission by
+`load_checkpoint`, longest first, a failed or corrupt read falling back to the next shorter one.
 """
 
 from __future__ import annotations
@@ -17,8 +22,8 @@ from collections.abc import Sequence
 
 import torch
 
-from pdserve.engine.kv_events import BlockRemoved, BlockStored
-from pdserve.engine.kv_tiers.tier import KVTier, ReportsChanges
+from pdserve.engine.kv_events import BlockRemoved, BlockStored, CheckpointRemoved, CheckpointStored
+from pdserve.engine.kv_tiers.tier import KeySpace, KVTier, ReportsChanges
 
 log = logging.getLogger(__name__)
 
@@ -43,9 +48,13 @@ class KVTierSet:
         self.evict_tiers = [t for t in tiers if t.write_on == "evict"]
         self.compute_tiers = [t for t in tiers if t.write_on == "compute"]
         self.kv_cache = kv_cache
-        self._pending: dict[int, torch.Tensor] = {}  # snapshots not yet stored by the writer
+        # snapshots not yet stored by the writer, by (key space, hash)
+        self._pending: dict[tuple[KeySpace, int], torch.Tensor] = {}
+        self._checkpoint_tokens: dict[int, int] = {}  # checkpoint hash -> its length, for events
+        self.num_checkpoint_loads = 0  # checkpoints read back from a tier
+        self.num_checkpoint_misses = 0  # reads of a checkpoint a tier listed that failed (corrupt, gone)
         self._lock = threading.Lock()
-        self._queue: queue.Queue[tuple[int, torch.Tensor, list[KVTier]] | None] | None = None
+        self._queue: queue.Queue[tuple[KeySpace, int, torch.Tensor, list[KVTier]] | None] | None = None
         self._writer: threading.Thread | None = None
         if background:
             self._queue = queue.Queue()
@@ -77,31 +86,59 @@ class KVTierSet:
         if not tiers:
             return
         for block_hash, block_id in blocks:
-            snapshot = self.read_block(block_id)
-            if self._queue is None:
-                self._store(block_hash, snapshot, tiers)
-                continue
-            with self._lock:
-                self._pending[block_hash] = snapshot
-            self._queue.put((block_hash, snapshot, tiers))
+            self._enqueue("kv", block_hash, self.read_block(block_id), tiers)
 
-    def _store(self, block_hash: int, snapshot: torch.Tensor, tiers: list[KVTier]) -> None:
+    def _enqueue(self, space: KeySpace, block_hash: int, snapshot: torch.Tensor, tiers: list[KVTier]) -> None:
+        if self._queue is None:
+            self._store(space, block_hash, snapshot, tiers)
+            return
+        with self._lock:
+            self._pending[space, block_hash] = snapshot
+        self._queue.put((space, block_hash, snapshot, tiers))
+
+    def write_down_checkpoint(self, block_hash: int, num_tokens: int, state: torch.Tensor) -> None:
+        """A state checkpoint the state pool just evicted: `state` its slot packed (uint8, CPU, a private
+        copy: `StatePool.pack_slot`), after `num_tokens` tokens, under `block_hash`; stored in every
+        write_on="evict" tier that holds checkpoints (in the writer thread)."""
+        self._submit_checkpoint(block_hash, num_tokens, state, self.evict_tiers)
+
+    def write_computed_checkpoint(self, block_hash: int, num_tokens: int, state: torch.Tensor) -> None:
+        """A state checkpoint just saved in the pool (as `write_down_checkpoint`): stored in every
+        write_on="compute" tier that holds checkpoints."""
+        self._submit_checkpoint(block_hash, num_tokens, state, self.compute_tiers)
+
+    def wants_checkpoints(self, write_on: str) -> bool:
+        """Whether a tier written on `write_on` ("evict" | "compute") holds checkpoints: else the state
+        pool need not pack them."""
+        tiers = self.evict_tiers if write_on == "evict" else self.compute_tiers
+        return any(t.holds_checkpoints for t in tiers)
+
+    def _submit_checkpoint(self, block_hash: int, num_tokens: int, state: torch.Tensor,
+                           tiers: list[KVTier]) -> None:
+        tiers = [t for t in tiers if t.holds_checkpoints]
+        if not tiers:
+            return
+        with self._lock:
+            self._checkpoint_tokens[block_hash] = num_tokens
+        self._enqueue("checkpoint", block_hash, state, tiers)
+
+    def _store(self, space: KeySpace, block_hash: int, snapshot: torch.Tensor, tiers: list[KVTier]) -> None:
         for tier in tiers:
             try:
-                tier.put(block_hash, snapshot)
+                tier.put(block_hash, snapshot, space=space)
             except Exception:  # a failing tier drops the block; serving goes on from the pool
                 log.exception("KV tier %s: put failed", tier.name)
 
     def _write_loop(self) -> None:
         assert self._queue is not None
         while (job := self._queue.get()) is not None:
-            block_hash, snapshot, tiers = job
+            space, block_hash, snapshot, tiers = job
             try:
-                self._store(block_hash, snapshot, tiers)
+                self._store(space, block_hash, snapshot, tiers)
             finally:
                 with self._lock:
-                    if self._pending.get(block_hash) is snapshot:
-                        del self._pending[block_hash]
+                    if self._pending.get((space, block_hash)) is snapshot:
+                        del self._pending[space, block_hash]
                 self._queue.task_done()
         self._queue.task_done()
 
@@ -132,7 +169,7 @@ class KVTierSet:
         pos, n = 0, len(block_hashes)
         while pos < n:
             with self._lock:
-                snapshot = self._pending.get(block_hashes[pos])
+                snapshot = self._pending.get(("kv", block_hashes[pos]))
             if snapshot is not None and self.evict_tiers:
                 self._scatter(snapshot, block_ids[pos])
                 names.append(self.evict_tiers[0].name)
@@ -154,21 +191,53 @@ class KVTierSet:
             pos += run
         return names
 
+    def load_checkpoint(
+        self, candidates: Sequence[tuple[int, int]], out: torch.Tensor
+    ) -> tuple[int, str] | None:
+        """Read the first of `candidates`, (block_hash, num_tokens) longest first, that a checkpoint tier
+        holds into `out` (uint8, CPU, the packed slot's size: `StatePool.pack_slot`) and return
+        (num_tokens, tier name); a failed or corrupt read (`get_into` False, the bad copy dropped by the
+        tier) falls through to the next tier, then the next shorter candidate. None: none held, `out`'s
+        contents unspecified. A checkpoint written down but not yet stored is copied from its snapshot."""
+        tiers = [t for t in self.tiers if t.holds_checkpoints]
+        for block_hash, num_tokens in candidates:
+            with self._lock:
+                snapshot = self._pending.get(("checkpoint", block_hash))
+            if snapshot is not None and snapshot.shape == out.shape:
+                out.copy_(snapshot)
+                self.num_checkpoint_loads += 1
+                return num_tokens, (self.evict_tiers or tiers)[0].name
+            for tier in tiers:
+                if not tier.lookup([block_hash], space="checkpoint"):
+                    continue
+                if tier.get_into(block_hash, out, space="checkpoint"):
+                    self.num_checkpoint_loads += 1
+                    return num_tokens, tier.name
+                self.num_checkpoint_misses += 1
+        return None
+
     def _scatter(self, block: torch.Tensor, block_id: int) -> None:
         for layer, rows in zip(self.kv_cache, block, strict=True):
             layer[block_id].copy_(rows)
 
     # ------------------------------------------------------------ events
 
-    def take_events(self) -> list[BlockStored | BlockRemoved]:
+    def take_events(self) -> list[BlockStored | BlockRemoved | CheckpointStored | CheckpointRemoved]:
         """What the per-worker tiers (those that report changes) gained and lost since the last call, as KV
-        events labelled with the tier's name, oldest first per tier."""
-        events: list[BlockStored | BlockRemoved] = []
+        events labelled with the tier's name, oldest first per tier: blocks as BlockStored / BlockRemoved,
+        state checkpoints as CheckpointStored / CheckpointRemoved."""
+        events: list[BlockStored | BlockRemoved | CheckpointStored | CheckpointRemoved] = []
         for tier in self.tiers:
             if not isinstance(tier, ReportsChanges):
                 continue
             stored: list[int] = []
             for change in tier.take_changes():
+                if change.space == "checkpoint":
+                    if stored:
+                        events.append(BlockStored(block_hashes=tuple(stored), tier=tier.name))
+                        stored = []
+                    events.append(self._checkpoint_event(change.stored, change.block_hash, tier.name))
+                    continue
                 if change.stored:
                     stored.append(change.block_hash)
                     continue
@@ -179,3 +248,15 @@ class KVTierSet:
             if stored:
                 events.append(BlockStored(block_hashes=tuple(stored), tier=tier.name))
         return events
+
+    def _checkpoint_event(
+        self, stored: bool, block_hash: int, tier: str
+    ) -> CheckpointStored | CheckpointRemoved:
+        if not stored:
+            if not any(t.lookup([block_hash], space="checkpoint") for t in self.tiers if t.holds_checkpoints):
+                with self._lock:  # no tier holds it any more: forget its length
+                    self._checkpoint_tokens.pop(block_hash, None)
+            return CheckpointRemoved(block_hashes=(block_hash,), tier=tier)
+        with self._lock:
+            num_tokens = self._checkpoint_tokens.get(block_hash, 0)
+        return CheckpointStored(block_hash=block_hash, num_tokens=num_tokens, tier=tier)
