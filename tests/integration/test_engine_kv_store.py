@@ -99,7 +99,7 @@ def test_a_corrupt_block_in_the_store_is_recomputed_and_the_output_is_identical(
     hashes = a.block_manager.chain_hashes(Sequence("h", prompt), 4)
     assert tier_b.lookup(hashes) == 4
     # Overwrite the third block with a copy one byte off, under the original checksum.
-    buf = tier_a._get_buf
+    buf = tier_a._lanes["kv"].get_buf
     assert tier_a.client.get_into(store_key(namespace, hashes[2]), buf.data_ptr(), buf.numel()) == buf.numel()
     buf[HEADER.size + 7] ^= 0x10
     tier_a.client.remove(store_key(namespace, hashes[2]))
@@ -107,7 +107,7 @@ def test_a_corrupt_block_in_the_store_is_recomputed_and_the_output_is_identical(
     again = run_one(b, prompt, "b")
     assert again.cached_tokens_by_tier == {"store": 2 * BS}  # the hit stops before the bad block
     assert again.output_token_ids == expected
-    assert [c for c in tier_b.take_changes() if not c.stored] == [(False, hashes[2])]
+    assert [c for c in tier_b.take_changes() if not c.stored] == [(False, hashes[2], "kv")]
 
 
 def test_a_killed_master_leaves_both_workers_serving_identical_output(model, prompt, expected, tmp_path):
@@ -128,3 +128,59 @@ def test_a_killed_master_leaves_both_workers_serving_identical_output(model, pro
         for t in tiers:
             t.close()
         server.stop()
+
+
+# ---------------------------------------------------------------- a hybrid: state checkpoints in the store
+
+
+def test_a_hybrids_checkpoint_one_worker_computed_is_read_from_the_store_by_another(kimi, kimi_hf,
+                                                                                     mooncake_url):
+    """kimi-tiny, against HF's greedy tokens: worker a publishes the prompt's KV blocks and its state
+    checkpoints (after 32 and 64 tokens) on compute; worker b reads both and computes prompt − 64 tokens.
+    A corrupt checkpoint in the store is detected and b falls back to the shorter one."""
+    from pdserve.engine.loader import build_model
+    from tests.unit.test_model_vs_hf import hf_greedy
+
+    kimi_model = build_model(kimi)
+    g = torch.Generator().manual_seed(13)
+    ids = torch.randint(0, kimi.config.vocab_size, (PROMPT_LEN,), generator=g).tolist()
+    want = hf_greedy(kimi_hf, ids, GREEDY.max_tokens)
+    spec = kimi_model.cache_spec()
+    namespace = uuid.uuid4().hex[:16]
+    tiers = []
+    for w in ("hybrid-a", "hybrid-b", "hybrid-c"):
+        client = MooncakeClient(mooncake_url)
+        client.connect()
+        tiers.append(MooncakeStoreTier(
+            client, namespace, (spec.num_paged_layers, BS, *spec.paged_row_shape), kimi_model.dtype,
+            worker_id=w, checkpoint_bytes=spec.state.bytes_per_slot(kimi_model.dtype)))
+    try:
+        a, b, c = (LLMEngine(kimi_model, EngineConfig(num_blocks=16, block_size=BS, max_num_batched_tokens=256,
+                                                      checkpoint_interval=2 * BS),
+                             tiers=[t], tier_writer_thread=False) for t in tiers)
+        assert a.state_pool.packed_bytes == spec.state.bytes_per_slot(kimi_model.dtype)
+        assert run_one(a, ids, "a").output_token_ids == want
+        hashes = a.block_manager.chain_hashes(Sequence("h", ids), 4)
+        assert tiers[1].lookup([hashes[1]], space="checkpoint") == 1
+        assert tiers[1].lookup([hashes[3]], space="checkpoint") == 1
+        before = b.stats.num_prompt_tokens_computed
+        second = run_one(b, ids, "b")
+        assert second.cached_tokens_by_tier == {"store": 4 * BS}
+        assert (second.num_checkpoint_tokens, second.checkpoint_tier) == (4 * BS, "store")
+        assert b.stats.num_prompt_tokens_computed - before == PROMPT_LEN - 4 * BS
+        assert second.output_token_ids == want
+        # the checkpoint after 64 tokens, one byte off under its original checksum: c falls back to 32
+        key = store_key(namespace, hashes[3], "checkpoint")
+        buf = tiers[0]._lanes["checkpoint"].get_buf
+        assert tiers[0].client.get_into(key, buf.data_ptr(), buf.numel()) == buf.numel()
+        buf[HEADER.size + 9] ^= 0x10
+        tiers[0].client.remove(key)
+        tiers[0].client.put_from(key, buf.data_ptr(), buf.numel())
+        before = c.stats.num_prompt_tokens_computed
+        third = run_one(c, ids, "c")
+        assert (third.num_cached_tokens, third.num_checkpoint_tokens) == (4 * BS, 2 * BS)
+        assert c.stats.num_prompt_tokens_computed - before == PROMPT_LEN - 2 * BS
+        assert third.output_token_ids == want
+    finally:
+        for t in tiers:
+            t.close()

@@ -92,7 +92,7 @@ def test_corrupted_block_in_the_store_is_refused_and_dropped(writer, reader, nam
     good = torch.randn(SHAPE)
     writer.put(31, good)
     # Flip one payload byte in the stored value, under the original checksum, with the raw client.
-    raw = writer._put_buf
+    raw = writer._lanes["kv"].put_buf
     raw[HEADER.size + 100] ^= 0xFF
     assert writer.client.put_from(store_key(namespace, 32), raw.data_ptr(), raw.numel()) == 0
     before = failures("reader", "get", "checksum")

@@ -7,7 +7,8 @@ weights, dtype, block size, hash seed and cache layout all match, exactly the ru
 worker with a decode worker (§6); the chained hash already covers the whole prefix and the cache salt.
 
 Value: a 16-byte header — magic `PDSB`, payload bytes (u32), xxh3-64 of the payload (u64) — then the block,
-`[num_paged_layers, block_size, *paged_row_shape]` in the model's dtype, bytes as laid out in memory. A
+`[num_paged_layers, block_size, *paged_row_shape]` in the model's dtype, bytes as laid out in memory (a
+hybrid's state checkpoint, key `pdserve/<namespace>/checkpoint/<hash>`: one slot's packed state, uint8). A
 read is used only if its length and checksum match; a mismatch is dropped from the store (`remove`) and
 the block recomputed.
 
@@ -43,9 +44,23 @@ def descriptor_namespace(descriptor_json: str) -> str:
     return hashlib.sha256(descriptor_json.encode()).hexdigest()[:16]
 
 
-def store_key(namespace: str, block_hash: int) -> str:
-    """The Mooncake key of one block: `pdserve/<namespace>/<u64 hash as 16 hex digits>`."""
-    return f"pdserve/{namespace}/{block_hash & 0xFFFF_FFFF_FFFF_FFFF:016x}"
+def store_key(namespace: str, block_hash: int, space: KeySpace = "kv") -> str:
+    """The Mooncake key of one block: `pdserve/<namespace>/<u64 hash as 16 hex digits>`; of a state
+    checkpoint (`space="checkpoint"`): `pdserve/<namespace>/checkpoint/<hash>`."""
+    infix = "checkpoint/" if space == "checkpoint" else ""
+    return f"pdserve/{namespace}/{infix}{block_hash & 0xFFFF_FFFF_FFFF_FFFF:016x}"
+
+
+class _Lane:
+    """One key space's values: payload bytes, its staging buffers (header + payload, uint8, registered)."""
+
+    def __init__(self, client: MooncakeClient, payload_bytes: int) -> None:
+        self.payload_bytes = payload_bytes
+        self.value_bytes = HEADER.size + payload_bytes
+        self.put_buf = torch.empty(self.value_bytes, dtype=torch.uint8)
+        self.get_buf = torch.empty(self.value_bytes, dtype=torch.uint8)
+        client.register(self.put_buf)
+        client.register(self.get_buf)
 
 
 class MooncakeStoreTier:
@@ -54,6 +69,8 @@ class MooncakeStoreTier:
     `block_shape`: `(num_paged_layers, block_size, *paged_row_shape)`; `dtype` the model's. Each call moves
     one block through one of two registered staging buffers (`header + block bytes`, uint8, CPU): one for
     puts, one for gets, so a put on the engine's background thread never waits for a lookup.
+    `checkpoint_bytes` > 0 (a hybrid model: `StatePool.packed_bytes`): the tier also holds state
+    checkpoints of that size (`space="checkpoint"`, uint8), through two staging buffers of their own.
     `worker_id` labels the metrics: `pdserve:kv_store_bytes{op}`, `pdserve:kv_store_seconds{op}`,
     `pdserve:kv_store_failures{op,reason}` (op get | put | lookup; reason timeout | error | down | busy |
     checksum | full).
@@ -65,20 +82,19 @@ class MooncakeStoreTier:
 
     name = "store"
     write_on = "compute"
-    holds_checkpoints = False  # one value size, the block's: a hybrid's state checkpoints are not stored
 
     def __init__(self, client: MooncakeClient, namespace: str, block_shape: Sequence[int],
-                 dtype: torch.dtype, *, worker_id: str = "") -> None:
+                 dtype: torch.dtype, *, worker_id: str = "", checkpoint_bytes: int = 0) -> None:
         self.client = client
         self.namespace = namespace
         self.block_shape = tuple(block_shape)
         self.dtype = dtype
         self.block_bytes = torch.Size(self.block_shape).numel() * torch.empty((), dtype=dtype).element_size()
-        self.value_bytes = HEADER.size + self.block_bytes
-        self._put_buf = torch.empty(self.value_bytes, dtype=torch.uint8)
-        self._get_buf = torch.empty(self.value_bytes, dtype=torch.uint8)
-        client.register(self._put_buf)
-        client.register(self._get_buf)
+        self._lanes: dict[KeySpace, _Lane] = {"kv": _Lane(client, self.block_bytes)}
+        if checkpoint_bytes > 0:
+            self._lanes["checkpoint"] = _Lane(client, checkpoint_bytes)
+        self.holds_checkpoints = checkpoint_bytes > 0
+        self.value_bytes = self._lanes["kv"].value_bytes
         self.worker_id = worker_id
         self._changes: list[TierChange] = []
         self._changes_lock = threading.Lock()  # puts run on the engine's tier writer thread
@@ -92,9 +108,9 @@ class MooncakeStoreTier:
             changes, self._changes = self._changes, []
         return changes
 
-    def _changed(self, stored: bool, block_hash: int) -> None:
+    def _changed(self, stored: bool, block_hash: int, space: KeySpace = "kv") -> None:
         with self._changes_lock:
-            self._changes.append(TierChange(stored, block_hash))
+            self._changes.append(TierChange(stored, block_hash, space))
 
     def _failed(self, op: str, reason: str) -> None:
         metrics.KV_STORE_FAILURES.labels(worker_id=self.worker_id, op=op, reason=reason).inc()
@@ -105,11 +121,11 @@ class MooncakeStoreTier:
 
     def lookup(self, block_hashes: Sequence[int], space: KeySpace = "kv") -> int:
         """How many leading blocks of the chain the store holds (one `batch_is_exist`); 0 when the store
-        is down or slow (at most `timeouts.lookup_s`), or for `space="checkpoint"` (not held here)."""
-        if not block_hashes or space != "kv":
+        is down or slow (at most `timeouts.lookup_s`), or for a key space this tier does not hold."""
+        if not block_hashes or space not in self._lanes:
             return 0
         try:
-            held = self.client.exists([store_key(self.namespace, h) for h in block_hashes])
+            held = self.client.exists([store_key(self.namespace, h, space) for h in block_hashes])
         except StoreFailed as e:
             self._failed("lookup", e.reason)
             return 0
@@ -120,65 +136,72 @@ class MooncakeStoreTier:
 
     def put(self, block_hash: int, block: torch.Tensor, space: KeySpace = "kv") -> None:
         """Publish `block` under `block_hash` with its checksum. Drops it (counted in
-        `kv_store_failures{op="put"}`) when the shape or dtype is not this tier's, or the store refuses,
-        fails or is slow; never raises. A checkpoint (`space="checkpoint"`) is not held: dropped."""
-        if space != "kv":
-            return
-        if tuple(block.shape) != self.block_shape or block.dtype != self.dtype:
-            log.error("kv store: block %s %s is not this tier's %s %s", tuple(block.shape), block.dtype,
-                      self.block_shape, self.dtype)
+        `kv_store_failures{op="put"}`) when the shape or dtype is not this tier's (a checkpoint: not
+        `checkpoint_bytes` uint8), or the store refuses, fails or is slow; never raises."""
+        lane = self._lanes.get(space)
+        if space == "kv":
+            fits = tuple(block.shape) == self.block_shape and block.dtype == self.dtype
+        else:
+            fits = lane is not None and block.dtype == torch.uint8 and block.numel() == lane.payload_bytes
+        if lane is None or not fits:
+            log.error("kv store: %s %s %s is not this tier's", space, tuple(block.shape), block.dtype)
             self._failed("put", "error")
             return
         started = time.perf_counter()
-        payload = self._put_buf[HEADER.size:]
+        payload = lane.put_buf[HEADER.size:]
         payload.copy_(block.contiguous().reshape(-1).view(torch.uint8))
         digest = xxhash.xxh3_64_intdigest(payload.numpy())
-        self._put_buf[:HEADER.size].copy_(
-            torch.frombuffer(bytearray(HEADER.pack(MAGIC, self.block_bytes, digest)), dtype=torch.uint8))
+        lane.put_buf[:HEADER.size].copy_(
+            torch.frombuffer(bytearray(HEADER.pack(MAGIC, lane.payload_bytes, digest)), dtype=torch.uint8))
         try:
-            rc = self.client.put_from(store_key(self.namespace, block_hash), self._put_buf.data_ptr(),
-                                      self.value_bytes)
+            rc = self.client.put_from(store_key(self.namespace, block_hash, space), lane.put_buf.data_ptr(),
+                                      lane.value_bytes)
         except StoreFailed as e:
             self._failed("put", e.reason)
             return
         if rc != 0:
             self._failed("put", "full")
             return
-        self._observe("put", self.value_bytes, time.perf_counter() - started)
-        self._changed(True, block_hash)
+        self._observe("put", lane.value_bytes, time.perf_counter() - started)
+        self._changed(True, block_hash, space)
 
     def get_into(self, block_hash: int, out: torch.Tensor, space: KeySpace = "kv") -> bool:
-        """Copy the block under `block_hash` into `out` (this tier's shape and dtype, contiguous CPU) if the
-        store holds it whole and its checksum matches. False otherwise (a corrupt copy is also removed from
-        the store and counted as `reason="checksum"`; a checkpoint, never held); never raises."""
-        if space != "kv":
+        """Copy the block under `block_hash` into `out` (this tier's shape and dtype, contiguous CPU; a
+        checkpoint: `checkpoint_bytes` uint8) if the store holds it whole and its checksum matches. False
+        otherwise (a corrupt copy is also removed from the store and counted as `reason="checksum"`);
+        never raises."""
+        lane = self._lanes.get(space)
+        if lane is None:
             return False
         started = time.perf_counter()
-        key = store_key(self.namespace, block_hash)
+        key = store_key(self.namespace, block_hash, space)
         try:
-            n = self.client.get_into(key, self._get_buf.data_ptr(), self.value_bytes)
+            n = self.client.get_into(key, lane.get_buf.data_ptr(), lane.value_bytes)
         except StoreFailed as e:
             self._failed("get", e.reason)
             return False
         if n == OBJECT_NOT_FOUND:
             return False
-        if n != self.value_bytes:
-            log.warning("kv store: %s holds %d bytes, expected %d: dropped", key, n, self.value_bytes)
+        if n != lane.value_bytes:
+            log.warning("kv store: %s holds %d bytes, expected %d: dropped", key, n, lane.value_bytes)
             self._failed("get", "checksum")
             self.client.remove(key)
-            self._changed(False, block_hash)
+            self._changed(False, block_hash, space)
             return False
-        magic, length, digest = HEADER.unpack(self._get_buf[:HEADER.size].numpy().tobytes())
-        payload = self._get_buf[HEADER.size:]
-        intact = magic == MAGIC and length == self.block_bytes
+        magic, length, digest = HEADER.unpack(lane.get_buf[:HEADER.size].numpy().tobytes())
+        payload = lane.get_buf[HEADER.size:]
+        intact = magic == MAGIC and length == lane.payload_bytes
         if not intact or xxhash.xxh3_64_intdigest(payload.numpy()) != digest:
             log.warning("kv store: checksum mismatch for %s: dropped, recomputing", key)
             self._failed("get", "checksum")
             self.client.remove(key)
-            self._changed(False, block_hash)
+            self._changed(False, block_hash, space)
             return False
-        out.copy_(payload.view(self.dtype).view(self.block_shape))
-        self._observe("get", self.value_bytes, time.perf_counter() - started)
+        if space == "kv":
+            out.copy_(payload.view(self.dtype).view(self.block_shape))
+        else:
+            out.reshape(-1).view(torch.uint8).copy_(payload)
+        self._observe("get", lane.value_bytes, time.perf_counter() - started)
         return True
 
     def close(self) -> None:

@@ -21,7 +21,7 @@ def build_tiers(settings: WorkerSettings, loaded: LoadedModel | None = None,
                 model: EngineModel | None = None) -> list[KVTier]:
     """The worker's tiers in lookup order; empty when none is configured. The store needs the worker's
     `loaded` model and engine `model` (its blocks' shape and dtype, and the compatibility descriptor that
-    namespaces its keys); a model with recurrent state gets no store (tiers hold no state checkpoints).
+    namespaces its keys); for a model with recurrent state the store holds its state checkpoints too.
     A store whose client cannot load (its wheel links Debian's libibverbs1: `make kv-store-tools`) is left
     out with an error in the log: the worker serves without it. Raises ValueError for a store without
     `loaded` and `model`."""
@@ -34,9 +34,7 @@ def build_tiers(settings: WorkerSettings, loaded: LoadedModel | None = None,
     if settings.kv_store == KVStoreKind.MOONCAKE:
         if loaded is None or model is None:
             raise ValueError("the shared KV store needs the worker's loaded and engine model")
-        if model.cache_spec().state is not None:
-            log.warning("kv store: %s has recurrent state, which tiers do not hold: no store", loaded.name)
-        elif (store := _mooncake_tier(settings, loaded, model)) is not None:
+        if (store := _mooncake_tier(settings, loaded, model)) is not None:
             tiers.append(store)
     return tiers
 
@@ -62,6 +60,7 @@ def _mooncake_tier(settings: WorkerSettings, loaded: LoadedModel, model: EngineM
     tier = MooncakeStoreTier(
         client, descriptor_namespace(descriptor.model_dump_json()),
         (spec.num_paged_layers, settings.block_size, *spec.paged_row_shape), model.dtype,
-        worker_id=settings.worker_id)
+        worker_id=settings.worker_id,
+        checkpoint_bytes=spec.state.bytes_per_slot(model.dtype) if spec.state is not None else 0)
     client.connect()
     return tier
