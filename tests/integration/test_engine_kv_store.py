@@ -155,9 +155,9 @@ def test_a_hybrids_checkpoint_one_worker_computed_is_read_from_the_store_by_anot
             client, namespace, (spec.num_paged_layers, BS, *spec.paged_row_shape), kimi_model.dtype,
             worker_id=w, checkpoint_bytes=spec.state.bytes_per_slot(kimi_model.dtype)))
     try:
-        a, b, c = (LLMEngine(kimi_model, EngineConfig(num_blocks=16, block_size=BS, max_num_batched_tokens=256,
-                                                      checkpoint_interval=2 * BS),
-                             tiers=[t], tier_writer_thread=False) for t in tiers)
+        config = EngineConfig(num_blocks=16, block_size=BS, max_num_batched_tokens=256,
+                              checkpoint_interval=2 * BS)
+        a, b, c = (LLMEngine(kimi_model, config, tiers=[t], tier_writer_thread=False) for t in tiers)
         assert a.state_pool.packed_bytes == spec.state.bytes_per_slot(kimi_model.dtype)
         assert run_one(a, ids, "a").output_token_ids == want
         hashes = a.block_manager.chain_hashes(Sequence("h", ids), 4)
