@@ -110,6 +110,7 @@ class Scheduler:
                 self._load_from_tiers(seq)
         if self.state_pool is not None:
             resume = resume_state and use_prefix_cache
+            seq.checkpoint_tier = "pool"
             restored = self._checkpoint_from_tiers(seq) if resume else None
             self.state_pool.allocate(seq, resume=resume, restored=restored)
 
@@ -118,7 +119,6 @@ class Scheduler:
         (num_tokens, packed state), or None; sets `seq.checkpoint_tier` to where the resumed one is."""
         pool = self.state_pool
         assert pool is not None
-        seq.checkpoint_tier = "pool"
         if self.tiers is None:
             return None
         found = pool.find_checkpoint(seq)
