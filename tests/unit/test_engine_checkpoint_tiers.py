@@ -49,12 +49,12 @@ def expected(kimi_hf, prompts) -> list[list[int]]:
     return [hf_greedy(kimi_hf, p, MAX_TOKENS) for p in prompts]
 
 
-def engine_of(model, tier, background: bool = False) -> LLMEngine:
+def engine_of(model, tier, background: bool = False, interval: int = INTERVAL) -> LLMEngine:
     # 6 blocks: one prompt (5 blocks with its output) at a time; 3 state slots: one live and the 2
     # checkpoints of one prompt, so every other prompt evicts the last one's blocks and checkpoints
     return LLMEngine(
         model, EngineConfig(num_blocks=6, block_size=BS, max_num_batched_tokens=256, num_state_slots=3,
-                            checkpoint_interval=INTERVAL),
+                            checkpoint_interval=interval),
         tiers=[tier], tier_writer_thread=background,
     )
 
@@ -98,6 +98,19 @@ def test_an_evicted_checkpoint_comes_back_from_the_tier_and_the_prefill_resumes_
         assert again.output_token_ids == expected[0]
     finally:
         engine.close()
+
+
+def test_the_tiered_checkpoint_may_end_before_the_tiered_kv_hit(model, prompts, expected):
+    """A checkpoint every 3 blocks: the KV hit is 4 blocks (64 tokens), the checkpoint within it 48."""
+    tier = HostOffloadTier(64)
+    engine = engine_of(model, tier, interval=3 * BS)
+    evict_first(engine, prompts, expected)
+    before = engine.stats.num_prompt_tokens_computed
+    again = run_one(engine, prompts[0], "again")
+    assert again.cached_tokens_by_tier == {"offload": 4 * BS}
+    assert (again.num_checkpoint_tokens, again.checkpoint_tier) == (3 * BS, "offload")
+    assert engine.stats.num_prompt_tokens_computed - before == PROMPT_LEN - 3 * BS
+    assert again.output_token_ids == expected[0]
 
 
 def test_checkpoint_and_block_keys_are_distinct_spaces(model, prompts, expected):
