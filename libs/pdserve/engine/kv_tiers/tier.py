@@ -58,8 +58,9 @@ class KVTier(Protocol):
     full block is computed (store)."""
 
     holds_checkpoints: bool
-    """Whether the tier takes `space="checkpoint"` (offload, disk: True; store: False, it holds blocks
-    of one fixed size only)."""
+    """Whether the tier takes `space="checkpoint"` (offload, disk: True; the store: when built with
+    `checkpoint_bytes`, its values being of fixed sizes). A tier that does not ignores that space:
+    `lookup` 0, `get_into` False, `put` a drop."""
 
     def lookup(self, block_hashes: Sequence[int], space: KeySpace = "kv") -> int:
         """How many leading hashes of `block_hashes` (a chain, first block first) this tier holds, 0..len.

@@ -206,7 +206,7 @@ class KVTierSet:
             if snapshot is not None and snapshot.shape == out.shape:
                 out.copy_(snapshot)
                 self.num_checkpoint_loads += 1
-                return num_tokens, (self.evict_tiers or tiers)[0].name
+                return num_tokens, next((t.name for t in tiers if t.write_on == "evict"), tiers[0].name)
             for tier in tiers:
                 if not tier.lookup([block_hash], space="checkpoint"):
                     continue
