@@ -48,6 +48,7 @@ class Coordinator:
         self.ownership = Ownership(bus, settings, on_fenced=self._fenced)
         self.active: dict[str, tuple[RequestLifecycle, asyncio.Task]] = {}
         self.unclaimed: dict[str, tuple[float, DecodeFinished]] = {}
+        self.claiming: set[str] = set()  # Submits accepted here whose lease claim is in flight
         self.recovered = asyncio.Event()  # set once recovery has resumed every unfinished request
         self._sweeper: asyncio.Task | None = None
 
@@ -75,7 +76,8 @@ class Coordinator:
         """The admission queue: accepted requests that have not yet held a decode reservation (routing,
         reserving, or told by their decode worker that it is full and waiting to retry). Safe from the
         metrics server's thread: `list()` copies the values without running Python code."""
-        return sum(1 for lifecycle, _ in list(self.active.values()) if lifecycle.awaiting_admission)
+        claiming = len(self.claiming)  # accepted, their lease being claimed: about to await admission
+        return claiming + sum(1 for lifecycle, _ in list(self.active.values()) if lifecycle.awaiting_admission)
 
     async def submit(self, req: Submit) -> Accepted:
         """Start a request; a Submit of a request already in flight (the gateway retried, or recovery
@@ -83,16 +85,21 @@ class Coordinator:
         `max_waiting_requests` requests await admission (the gateway answers 503 + Retry-After). Counting
         every accepted request not yet reserved — not only those already told decode is full — keeps the
         bound when a burst of Submits arrives before any of them has reached a decode worker."""
-        if req.request_id not in self.active:
+        rid = req.request_id
+        if rid not in self.active and rid not in self.claiming:
             if self.num_waiting >= self.settings.max_waiting_requests:
                 raise RejectedError(RejectCode.CAPACITY, f"{self.num_waiting} requests already await "
                                     f"admission to decode (max_waiting_requests)")
             if not self.ownership.valid():
                 raise RejectedError(RejectCode.UNAVAILABLE, "this coordinator holds no valid lease now")
+            # counted as waiting while the claim's round trip runs, so Submits arriving meanwhile see it
+            self.claiming.add(rid)
             try:
-                owner = await self.ownership.claim(req.request_id)
+                owner = await self.ownership.claim(rid)
             except Exception as e:  # the lease bucket unreachable from here (NATS or its quorum lost)
                 raise RejectedError(RejectCode.UNAVAILABLE, f"request lease not claimed: {e!r}") from e
+            finally:
+                self.claiming.discard(rid)
             if owner is None:
                 self._start(req)
             # else another coordinator owns it (a retried Submit), or a duplicate here is being started:
