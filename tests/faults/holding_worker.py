@@ -111,9 +111,9 @@ class StateHoldingTransport(KVTransport):
         await self.inner.stop()
 
 
-def holding_transport(kind: KVTransportKind) -> StateHoldingTransport:
+def holding_transport(kind: KVTransportKind, host: str = "127.0.0.1") -> StateHoldingTransport:
     hold_dir = os.environ.get(HOLD_DIR_ENV)
-    return StateHoldingTransport(make_transport(kind), Path(hold_dir) if hold_dir else None)
+    return StateHoldingTransport(make_transport(kind, host), Path(hold_dir) if hold_dir else None)
 
 
 if __name__ == "__main__":
