@@ -40,23 +40,31 @@ UNREACHABLE_DB = "postgresql+asyncpg://postgres@127.0.0.1:1/nowhere"
 
 
 @pytest.fixture(scope="module")
-async def db(database_url: str) -> AsyncIterator:
-    e = make_db(database_url)
+def own_settings(isolated_settings) -> CommonSettings:
+    """A database, stream and subject prefix of this module's own: its replays rebuild every projection
+    of the database, which must hold no other module's events (test_router_report, test_advise write
+    theirs into the run's shared one)."""
+    return isolated_settings("recorder")
+
+
+@pytest.fixture(scope="module")
+async def db(own_settings: CommonSettings) -> AsyncIterator:
+    e = make_db(own_settings.database_url)
     yield e
     await e.dispose()
 
 
 @pytest.fixture(scope="module")
-async def bus(settings: CommonSettings) -> AsyncIterator[Bus]:
-    b = await Bus.connect(settings, "test-recorder")
+async def bus(own_settings: CommonSettings) -> AsyncIterator[Bus]:
+    b = await Bus.connect(own_settings, "test-recorder")
     yield b
     await b.close()
 
 
 @pytest.fixture(scope="module")
-def recorder_settings(settings: CommonSettings) -> RecorderSettings:
+def recorder_settings(own_settings: CommonSettings) -> RecorderSettings:
     # A small batch so a test's events span several transactions.
-    return RecorderSettings(**settings.model_dump(), batch_size=7, fetch_timeout_s=0.1)
+    return RecorderSettings(**own_settings.model_dump(), batch_size=7, fetch_timeout_s=0.1)
 
 
 async def publish(bus: Bus, event: Event, msg_id: str | None = None) -> None:
@@ -308,8 +316,9 @@ async def _replay(capsys, *args: str) -> tuple[int, str]:
 
 
 async def test_replay_command_prints_a_lifecycle_in_stream_order_and_rebuilds(
-    bus, db, recorder_settings, database_url, tmp_path, monkeypatch, capsys
+    bus, db, recorder_settings, tmp_path, monkeypatch, capsys
 ):
+    database_url = recorder_settings.database_url
     rid = new_id()
     life = full_lifecycle(rid)
     for event in life:
