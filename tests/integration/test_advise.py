@@ -210,13 +210,19 @@ def scripted_log() -> list[Event]:
 
 
 @pytest.fixture(scope="module")
-async def logged(database_url: str) -> str:
-    db = make_db(database_url)
+def own_database_url(isolated_settings) -> str:
+    """A database of this module's own: advise reads every request of its windows."""
+    return isolated_settings("advise").database_url
+
+
+@pytest.fixture(scope="module")
+async def logged(own_database_url: str) -> str:
+    db = make_db(own_database_url)
     base = 2 * 10**12 + random.randrange(10**9)
     async with db.begin() as conn:
         await conn.execute(events.insert(), [event_row(e, base + i) for i, e in enumerate(scripted_log())])
     await db.dispose()
-    return database_url
+    return own_database_url
 
 
 async def _advice(url: str, t0: float, model: str):

@@ -21,7 +21,7 @@ from pdserve.store.rows import event_row
 from pdserve.store.tables import events, requests
 from tests.unit.test_sim import colocated
 
-T0 = time.time() + 40 * 86400  # a window no other test writes into
+T0 = time.time() + 40 * 86400  # in a database of this module's own (`own_database_url` below)
 PROMPT = list(range(1000, 1100))  # every logged request has this prompt: 6 full shared blocks
 
 
@@ -71,9 +71,15 @@ async def _log(url: str) -> list[str]:
     return ids
 
 
-def test_replay_reads_arrivals_lengths_and_block_hashes(database_url):
-    asyncio.run(_log(database_url))
-    reqs = replay_requests(database_url, datetime.fromtimestamp(T0 - 1, UTC))
+@pytest.fixture(scope="module")
+def own_database_url(isolated_settings) -> str:
+    """A database of this module's own: a replay reads every completed request of its window."""
+    return isolated_settings("sim_replay").database_url
+
+
+def test_replay_reads_arrivals_lengths_and_block_hashes(own_database_url):
+    asyncio.run(_log(own_database_url))
+    reqs = replay_requests(own_database_url, datetime.fromtimestamp(T0 - 1, UTC))
     assert [r.arrival_s for r in reqs] == pytest.approx([0.0, 2.0, 4.0])
     assert [(r.prompt_len, r.output_len) for r in reqs] == [(100, 4), (100, 5), (100, 6)]
     assert all(r.block_hashes == tuple(hash_blocks(PROMPT, 16)) for r in reqs)
@@ -81,6 +87,6 @@ def test_replay_reads_arrivals_lengths_and_block_hashes(database_url):
     assert list(result.cached_tokens) == [0, 96, 96]
 
 
-def test_replay_of_an_empty_window_says_so(database_url):
+def test_replay_of_an_empty_window_says_so(own_database_url):
     with pytest.raises(ValueError, match="no completed request"):
-        replay_requests(database_url, datetime.fromtimestamp(T0 + 3600, UTC))
+        replay_requests(own_database_url, datetime.fromtimestamp(T0 + 3600, UTC))
