@@ -59,6 +59,12 @@ class KVStoreKind(StrEnum):
     MOONCAKE = "mooncake"  # Mooncake Store (pdserve.kv_store)
 
 
+def nats_servers(nats_url: str) -> list[str]:
+    """A `PDS_NATS_URL` (one server's URL, or a cluster's, comma-separated) as the list of server URLs
+    `nats.connect(servers=...)` takes."""
+    return [url.strip() for url in nats_url.split(",") if url.strip()]
+
+
 class CommonSettings(BaseSettings):
     model_config = SettingsConfigDict(env_prefix="PDS_", extra="ignore")
 
@@ -89,7 +95,7 @@ class CommonSettings(BaseSettings):
     @property
     def nats_servers(self) -> list[str]:
         """`nats_url` as the list of server URLs `nats.connect(servers=...)` takes."""
-        return [url.strip() for url in self.nats_url.split(",") if url.strip()]
+        return nats_servers(self.nats_url)
 
     @property
     def trace_dir(self) -> Path:

@@ -34,6 +34,7 @@ from pdserve.bench.datasets import SampleRequest
 from pdserve.bench.pinning import pin_pools
 from pdserve.bench.runner import LoadSpec, run_load
 from pdserve.bench.serve import ServeConfig, run_serve
+from pdserve.config import nats_servers
 from pdserve.stack_state import StackState, read_state
 
 console = Console(highlight=False, soft_wrap=True)
@@ -148,7 +149,7 @@ async def _delete_stream(nats_url: str, stream: str) -> None:
     import nats
     from nats.js.errors import NotFoundError
 
-    nc = await nats.connect([u.strip() for u in nats_url.split(",") if u.strip()])
+    nc = await nats.connect(nats_servers(nats_url))
     try:
         await nc.jetstream().delete_stream(stream)
     except NotFoundError:

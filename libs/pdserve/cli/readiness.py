@@ -15,6 +15,7 @@ from collections.abc import Collection, Mapping
 
 import nats
 
+from pdserve.config import nats_servers
 from pdserve.messages import Subjects
 
 
@@ -28,7 +29,7 @@ def heartbeating(
     `credentials`: `user` / `password` when the server requires them (`StackState.nats_admin_credentials`,
     or a worker's own, which may hear only its own heartbeat: hence one subscription per id)."""
 
-    servers = [url.strip() for url in nats_url.split(",") if url.strip()]
+    servers = nats_servers(nats_url)
 
     async def listen() -> set[str]:
         heard: set[str] = set()

@@ -76,8 +76,8 @@ class Coordinator:
         """The admission queue: accepted requests that have not yet held a decode reservation (routing,
         reserving, or told by their decode worker that it is full and waiting to retry). Safe from the
         metrics server's thread: `list()` copies the values without running Python code."""
-        claiming = len(self.claiming)  # accepted, their lease being claimed: about to await admission
-        return claiming + sum(1 for lifecycle, _ in list(self.active.values()) if lifecycle.awaiting_admission)
+        waiting = sum(1 for lifecycle, _ in list(self.active.values()) if lifecycle.awaiting_admission)
+        return len(self.claiming) + waiting  # claiming: accepted, lease claim in flight, about to wait
 
     async def submit(self, req: Submit) -> Accepted:
         """Start a request; a Submit of a request already in flight (the gateway retried, or recovery
