@@ -17,6 +17,7 @@ from prometheus_client.parser import text_string_to_metric_families
 from pdserve.embedded import free_port
 from pdserve.service_plan import ServiceSpec
 from tests.e2e.stack import Stack
+from tests.e2e.test_prefix_cache import complete, lifecycle
 
 pytestmark = pytest.mark.stack
 
@@ -48,25 +49,6 @@ def offload_stack(isolated_settings, tmp_path_factory) -> Iterator[Stack]:
 
 def prompt(seed: int) -> list[int]:
     return torch.randint(100, 40000, (PROMPT_LEN,), generator=torch.Generator().manual_seed(seed)).tolist()
-
-
-def complete(stack: Stack, ids: list[int]) -> tuple[str, str]:
-    body = {"model": stack.served_model, "prompt": ids, "max_tokens": 4, "temperature": 0, "ignore_eos": True}
-    r = httpx.post(f"{stack.url}/v1/completions", json=body, timeout=60)
-    assert r.status_code == 200, r.text
-    return r.headers["x-request-id"], r.json()["choices"][0]["text"]
-
-
-def lifecycle(stack: Stack, request_id: str, timeout_s: float = 20.0) -> dict[str, dict]:
-    deadline = time.monotonic() + timeout_s
-    while time.monotonic() < deadline:
-        r = httpx.get(f"{stack.url}/v1/requests/{request_id}")
-        if r.status_code == 200:
-            events = {e["type"]: e["payload"] for e in r.json()["events"]}
-            if "RequestCompleted" in events:
-                return events
-        time.sleep(0.2)
-    raise AssertionError(f"{request_id} not recorded as completed in {timeout_s} s")
 
 
 def hits_by_tier(stack: OffloadStack) -> dict[str, float]:
