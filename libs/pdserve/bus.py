@@ -94,6 +94,9 @@ class Bus:
             name=service,
             max_reconnect_attempts=-1,
             reconnect_time_wait=0.5,
+            ping_interval=settings.nats_ping_interval_s,
+            max_outstanding_pings=2,
+            connect_timeout=1,
             disconnected_cb=on_disconnect,
             reconnected_cb=on_reconnect,
         )

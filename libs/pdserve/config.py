@@ -71,6 +71,11 @@ class CommonSettings(BaseSettings):
     nats_url: str = Field(
         "nats://127.0.0.1:4222", description="NATS server with JetStream; a cluster as its servers' URLs, "
         "comma-separated (a client connects to any and fails over to the others).")
+    nats_ping_interval_s: float = Field(
+        1.0, gt=0, description="Seconds between this client's PINGs to its NATS server; after 2 unanswered "
+        "it drops the connection as stale and fails over to another server of `nats_url`. A server cut off "
+        "by the network (no TCP reset) is so left within ~3 s, inside a coordinator's lease; nats.py's "
+        "default, 120 s, would leave the process deaf for minutes.")
     nats_user: str | None = Field(
         None, description="NATS user this process connects as (per-service users: pdserve.nats_auth).")
     nats_password: str | None = Field(None, description="Its password (else read from nats_users_file).")

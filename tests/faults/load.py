@@ -154,22 +154,38 @@ def run_load(
     min_tokens_before: int = 8,
     stagger_s: float = 0.0,
     during_at: int | None = None,
+    when: Callable[[list[Result]], bool] | None = None,
 ) -> list[Result]:
     """Stream every prompt concurrently (starting one every `stagger_s` seconds); call `during()` (the
     fault) in this thread right after starting prompt number `during_at`, or else once every stream has
-    `min_tokens_before` SSE chunks (or 30 s passed); return every result once all ended."""
-    seen: dict[int, int] = {}
+    `min_tokens_before` SSE chunks — or, given `when`, once `when(the streams that sent a chunk)` is true,
+    polled every 20 ms — (or 30 s passed); return every result once all ended."""
+    seen: dict[int, Result] = {}
     lock = threading.Lock()
     ready = threading.Event()
 
     def progress_of(i: int) -> Callable[[Result], None]:
         def progress(r: Result) -> None:
             with lock:
-                seen[i] = r.num_chunks
-                if len(seen) == len(prompts) and min(seen.values()) >= min_tokens_before:
+                seen[i] = r
+                if when is None and len(seen) == len(prompts) and min(
+                    x.num_chunks for x in seen.values()
+                ) >= min_tokens_before:
                     ready.set()
 
         return progress
+
+    def wait_ready() -> None:
+        if when is None:
+            ready.wait(30)
+            return
+        deadline = time.monotonic() + 30
+        while time.monotonic() < deadline:
+            with lock:
+                started = list(seen.values())
+            if when(started):
+                return
+            time.sleep(0.02)
 
     with ThreadPoolExecutor(len(prompts)) as pool:
         futures = []
@@ -179,7 +195,7 @@ def run_load(
                 during()
             time.sleep(stagger_s)
         if during is not None and during_at is None:
-            ready.wait(30)
+            wait_ready()
             during()
         return [f.result() for f in futures]
 
@@ -224,8 +240,8 @@ async def recorded_lifecycles(store, request_ids: list[str], timeout_s: float = 
 def check_results(
     results: list[Result], expected: dict[str, list[int]], tokenizer, lifecycles: dict[str, list]
 ) -> None:
-    """Every request ended completed; its text and its journal equal the oracle token for token; its
-    lifecycle is complete, in order, with one terminal event."""
+    """Every request ended completed; its text and its journal equal the oracle token for token, every
+    commit before the terminal event; its lifecycle is complete, in order, with one terminal event."""
     for r in results:
         assert r.error is None and r.finish_reason == "length", (r.prompt, r.request_id, r.error, r.status)
         want = expected[r.prompt]
@@ -237,4 +253,10 @@ def check_results(
         assert all(t in types for t in lifecycle_of(events)), (r.request_id, types)
         assert types[0] == "RequestReceived", (r.request_id, types)
         assert committed_tokens(events) == want, r.request_id
+        # the journal is whole when the log says the request ended: the worker that finished it committed
+        # everything before (a migrated-from worker cut off mid-stream may still commit after it, late)
+        finisher = [e.worker_id for e in events if e.type == "DecodeStarted"][-1]
+        end = types.index("RequestCompleted")
+        late = [e for e in events[end:] if e.type == "TokensCommitted" and e.worker_id == finisher]
+        assert not late, (r.request_id, finisher, types)
         assert [e.seq for e in events] == list(range(1, len(events) + 1))

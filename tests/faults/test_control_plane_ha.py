@@ -7,6 +7,7 @@ previous one, who emits nothing after it) and each output token index committed 
 from __future__ import annotations
 
 import asyncio
+import time
 from collections import Counter
 from collections.abc import Iterator
 
@@ -75,7 +76,12 @@ async def test_kill_one_of_two_coordinators_and_one_of_two_routers_every_request
     killed: dict[str, str] = {}
 
     def fault() -> None:
-        owners = asyncio.run(lease_holders(ha_stack.settings))
+        # Polled until some request is owned: the prompt just submitted may not have reached a coordinator
+        # yet and the earlier ones may have ended (the tiny model decodes 96 tokens in well under a second)
+        deadline = time.monotonic() + 20
+        while not (owners := asyncio.run(lease_holders(ha_stack.settings))) and time.monotonic() < deadline:
+            time.sleep(0.02)
+        assert owners, "no request was owned by a coordinator during the load"
         holder, _ = owners.most_common(1)[0]
         killed["holder"] = holder
         ha_stack.kill(holder.rsplit(".", 1)[0])  # the process name: coordinator or coordinator-1

@@ -10,7 +10,7 @@ import asyncio
 import logging
 import time
 from collections.abc import Awaitable, Callable
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import NamedTuple
 
 from opentelemetry import trace
@@ -46,6 +46,7 @@ class DecodeStream:
     num_streamed: int = 0
     num_committed: int = 0
     first_token_ts: float = 0.0
+    commits: list[asyncio.Task] = field(default_factory=list)  # TokensCommitted publishes, until stored
 
 
 class EngineLoop:
@@ -127,7 +128,6 @@ class EngineLoop:
         if stream is not None:
             async with self.compute:
                 self.engine.free(stream.seq)
-            await self._commit(stream)
             self._finish(stream, reason)
 
     def stop(self, request_id: str) -> None:
@@ -168,26 +168,29 @@ class EngineLoop:
             ),
         )
         stream.num_streamed += len(token_ids)
-        if (
-            reason is not None
-            or stream.num_streamed - stream.num_committed >= self.commit_every_tokens
-        ):
-            await self._commit(stream)
         if reason is not None:
             self._finish(stream, reason)
+        elif stream.num_streamed - stream.num_committed >= self.commit_every_tokens:
+            if (commit := self._commit(stream)) is not None:
+                stream.commits = [t for t in stream.commits if not t.done()]
+                stream.commits.append(self.bus.spawn(
+                    self.bus.emit_stored(stream.seq.request_id, commit, self.worker_id)))
 
-    async def _commit(self, stream: DecodeStream) -> None:
+    def _commit(self, stream: DecodeStream) -> TokensCommitted | None:
+        """The tokens streamed since the last commit, as the next `TokensCommitted` (None if none)."""
         seq = stream.seq
         new = seq.output_token_ids[stream.num_committed : stream.num_streamed]
-        if new:
-            await self.bus.emit(
-                seq.request_id,
-                TokensCommitted(start_index=seq.output_start_index + stream.num_committed, token_ids=new),
-                self.worker_id,
-            )
-            stream.num_committed = stream.num_streamed
+        if not new:
+            return None
+        commit = TokensCommitted(start_index=seq.output_start_index + stream.num_committed, token_ids=new)
+        stream.num_committed = stream.num_streamed
+        return commit
 
     def _finish(self, stream: DecodeStream, reason: FinishReason) -> None:
+        """Off the loop's path: every `TokensCommitted` stored, then `DecodeFinished` to the coordinator,
+        so the request's terminal event (which the coordinator emits on it) follows every commit in the
+        stream even when a publish is retried across a NATS failover: the journal is whole once the log
+        says the request ended."""
         seq = stream.seq
         self.streams.pop(seq.request_id, None)
         stream.span.set_attribute("pdserve.finish_reason", reason.value)
@@ -201,10 +204,14 @@ class EngineLoop:
             first_token_ts=stream.first_token_ts or time.time(),
             last_token_ts=time.time(),
         )
-        self.bus.spawn(self._tell_coordinator(msg))
+        self.bus.spawn(self._tell_coordinator(msg, stream.commits, self._commit(stream)))
 
-    async def _tell_coordinator(self, msg: DecodeFinished, attempts: int = 10) -> None:
+    async def _tell_coordinator(self, msg: DecodeFinished, commits: list[asyncio.Task],
+                                last_commit: TokensCommitted | None, attempts: int = 10) -> None:
         bus = self.bus
+        await asyncio.gather(*commits)
+        if last_commit is not None:
+            await bus.emit_stored(msg.request_id, last_commit, self.worker_id)
         for attempt in range(attempts):
             try:
                 await bus.request(bus.subjects.finished(msg.worker_id), msg, Ack, timeout_s=2.0)
