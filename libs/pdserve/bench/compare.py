@@ -19,7 +19,7 @@ import subprocess
 import sys
 import time
 import uuid
-from collections.abc import Callable, Sequence
+from collections.abc import Callable
 from dataclasses import asdict, dataclass, field
 from datetime import UTC, datetime
 from pathlib import Path
@@ -85,10 +85,8 @@ class StackRun:
     embedded Postgres in a cleared var dir. A store reused across events streams would collide on
     stream sequence numbers."""
 
-    def __init__(self, mode: str, cfg: CompareConfig, env: dict[str, str], tag: str,
-                 up_args: Sequence[str] = ()) -> None:
-        """`up_args`: more `pdserve up` arguments (e.g. the pool sizes)."""
-        self.mode, self.cfg, self.up_args = mode, cfg, tuple(up_args)
+    def __init__(self, mode: str, cfg: CompareConfig, env: dict[str, str], tag: str) -> None:
+        self.mode, self.cfg = mode, cfg
         self.var_dir = cfg.var_dir / mode
         self.env = dict(env)
         self.database: tuple[str, str] | None = None  # (admin URL, database name) to drop at exit
@@ -105,7 +103,7 @@ class StackRun:
     def __enter__(self) -> StackRun:
         shutil.rmtree(self.var_dir, ignore_errors=True)
         out = self._cli("up", "--mode", self.mode, "--model", self.cfg.model, "--port", str(self.cfg.port),
-                        *self.up_args, timeout_s=600)
+                        timeout_s=600)
         if out.returncode != 0:
             self._cli("down", timeout_s=120)
             raise RuntimeError(f"pdserve up --mode {self.mode} failed:\n{out.stdout}\n{out.stderr}")
