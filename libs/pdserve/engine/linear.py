@@ -5,22 +5,30 @@ torch's default CPU GEMM is MKL's, and MKL runs a generic code path on this mach
 `F.linear` reaches ~90-100 GFLOP/s at 32 or more rows, while oneDNN with the weight reordered into its own
 blocked layout (`mkldnn._reorder_linear_weight`, what Inductor's CPU freezing pass does) reaches
 170-240 GFLOP/s on the same shapes and results equal to fp32 rounding (max |difference| ~1e-6 relative).
-One prepacked weight serves every row count from 3 up: the batch-size hint (32) only picks oneDNN's
-blocking. At 1 or 2 rows (a decode step of one or two sequences: a GEMV, bound by reading the weights)
-MKL's `F.linear` on the weight as loaded is the faster: a SmolLM2 decode step measured 75 → 58 ms at one
-sequence and 82 → 67 ms at two on one thread (44 → 35, 46 → 38 ms on two), and slower from 4 rows
-(83 → 104 ms), so those rows take the plain weight, kept beside the packed one (the layer's weights twice
+One prepacked weight serves every row count above the GEMV threshold: the batch-size hint (32) only picks
+oneDNN's blocking. At 1 or 2 rows (a decode step of one or two sequences: a GEMV, bound by reading the
+weights) MKL's `F.linear` on the weight as loaded can be the faster: on an Intel Xeon host a SmolLM2 decode
+step measured 75 → 58 ms at one sequence and 82 → 67 ms at two on one thread (44 → 35, 46 → 38 ms on two),
+and slower from 4 rows (83 → 104 ms). Which is faster depends on the CPU (MKL takes a generic path on AMD),
+so `calibrate_gemv` times both on the model's LM head when the model is built and sets the threshold (0, 1
+or 2 rows) for the process; the plain weight is kept beside the packed one for it (the layer's weights twice
 in memory: +540 MB for SmolLM2 fp32). Where oneDNN is absent (or for a CUDA tensor) the layer is plain
 `F.linear`.
 """
 
 from __future__ import annotations
 
+import logging
+import time
+from collections.abc import Callable
+
 import torch
 import torch.nn.functional as F
 
+log = logging.getLogger(__name__)
+
 _BATCH_HINT = 32  # rows oneDNN blocks for; measured equal or better than 1 and 512 at every row count here
-_GEMV_ROWS = 2  # at most this many rows go to MKL's F.linear on the plain weight (measured above)
+_GEMV_ROWS = 2  # at most this many rows go to MKL's F.linear on the plain weight (`calibrate_gemv` sets it)
 
 
 def _onednn_usable(weight: torch.Tensor) -> bool:
@@ -56,3 +64,36 @@ def fused(*weights: torch.Tensor) -> Linear:
     """One Linear whose output is the given layers' outputs side by side (their weights stacked on dim 0),
     e.g. q, k and v projections as one GEMM: `out[:, :q_out]` is q's, and so on."""
     return Linear(torch.cat(weights, dim=0))
+
+
+def _best_s(fn: Callable[[], torch.Tensor], reps: int) -> float:
+    fn()
+    times = []
+    for _ in range(reps):
+        t0 = time.perf_counter()
+        fn()
+        times.append(time.perf_counter() - t0)
+    return min(times)
+
+
+def calibrate_gemv(layer: Linear, reps: int = 5) -> int:
+    """Set, for this process, how many rows (0, 1 or 2) every Linear sends to MKL's `F.linear` instead of the
+    prepacked oneDNN GEMM: both timed on `layer` at 1, then 2 rows (best of `reps`), the threshold the row
+    counts at which the plain path won. Give it the LM head: big enough to be read from memory as a decode
+    step reads every weight (SmolLM2's: 113 MB; ~0.3 s in all). Returns the threshold; without oneDNN,
+    leaves it as it is."""
+    global _GEMV_ROWS
+    if layer._packed is None:
+        return _GEMV_ROWS
+    rows, packed_weight, gemm = 0, layer._packed, torch.ops.mkldnn._linear_pointwise
+    for m in (1, 2):
+        # a generator of its own: the process's torch RNG (sampling seeds) is left as it was
+        x = torch.randn(m, layer.in_features, generator=torch.Generator().manual_seed(m))
+        plain = _best_s(lambda x=x: F.linear(x, layer.weight), reps)
+        packed = _best_s(lambda x=x: gemm(x, packed_weight, None, "none", [], ""), reps)
+        if plain >= packed:
+            break
+        rows = m
+    _GEMV_ROWS = rows
+    log.info("GEMV threshold: %d rows on MKL's F.linear, more on oneDNN's prepacked GEMM", rows)
+    return rows

@@ -27,6 +27,7 @@ from pdserve.engine.hf_checkpoint import read_checkpoint
 from pdserve.engine.kimi_linear import KimiLinearModel
 from pdserve.engine.kimi_linear_config import KimiLinearConfig
 from pdserve.engine.kimi_tiny import ensure_kimi_tiny
+from pdserve.engine.linear import calibrate_gemv
 from pdserve.engine.model import LlamaModel
 from pdserve.engine.model_config import LlamaConfig
 from pdserve.engine.model_family import EngineModel
@@ -63,10 +64,12 @@ class LoadedModel:
 def build_model(
     loaded: LoadedModel, device: torch.device | str = "cpu", dtype: torch.dtype = torch.float32
 ) -> EngineModel:
-    """The engine model of `loaded`'s family (`LlamaModel` or `KimiLinearModel`) on `device` in `dtype`."""
-    if isinstance(loaded.config, KimiLinearConfig):
-        return KimiLinearModel(loaded.config, loaded.weights, torch.device(device), dtype)
-    return LlamaModel(loaded.config, loaded.weights, torch.device(device), dtype)
+    """The engine model of `loaded`'s family (`LlamaModel` or `KimiLinearModel`) on `device` in `dtype`,
+    with the process's GEMV threshold calibrated on its LM head (engine/linear.py)."""
+    family = KimiLinearModel if isinstance(loaded.config, KimiLinearConfig) else LlamaModel
+    model = family(loaded.config, loaded.weights, torch.device(device), dtype)
+    calibrate_gemv(model.lm_head)
+    return model
 
 
 def config_from_hf(raw: dict) -> LlamaConfig | KimiLinearConfig:
