@@ -273,9 +273,11 @@ class CoordinatorSettings(CommonSettings):
         "coordinator", description="This coordinator's name in the stack (`PDS_WORKER_ID`); its lease holder "
         "id is `<name>.<incarnation>`, new at every start (lifecycle/ownership.py).")
     lease_s: float = Field(
-        4.0, description="A coordinator whose lease key has not changed for this long (seen by another "
+        6.0, description="A coordinator whose lease key has not changed for this long (seen by another "
         "coordinator's own clock) is dead: its requests are taken over. It stops acting itself after "
-        "lease_s − 2·lease_renew_s without a successful renewal (fencing).")
+        "lease_s − 2·lease_renew_s without a successful renewal (fencing): 5 s, past the ~3 s in which a "
+        "client leaves a NATS server cut off by the network (nats_ping_interval_s) and the ≤ 1 s it takes to "
+        "reconnect to another, so such a cut alone does not fence a live coordinator.")
     lease_renew_s: float = Field(
         0.5, description="How often a coordinator renews its lease, seconds; it sweeps for requests of dead "
         "coordinators every max(lease_renew_s, lease_s/4).")

@@ -85,7 +85,7 @@ def decoding_on(url: str, worker_id: str) -> Callable[[list[Result]], bool]:
 async def lead_elsewhere(bus: Bus, streams: list[str], host: str, timeout_s: float = 30.0) -> None:
     """Step each stream's RAFT leader down until a server other than `host`'s leads it. The cut below is
     of a decode host, not of the leader of the log or of the leases: a partitioned leader stalls every
-    write to its stream for an election (4–9 s, past a coordinator's 4 s lease: all of them hand their
+    write to its stream for an election (4–9 s, past a coordinator's fencing: all of them hand their
     requests off, which is the NATS-kill test's subject), whereas a partitioned follower costs nothing."""
     deadline = time.monotonic() + timeout_s
     for stream in streams:
