@@ -224,6 +224,8 @@ async def recorded_lifecycles(store, request_ids: list[str], timeout_s: float = 
     and the recorder has caught up (Postgres holds every event the stream holds)."""
     import asyncio
 
+    import nats.errors
+
     from pdserve.store import queries
     from pdserve.store.recorder import caught_up
 
@@ -232,7 +234,11 @@ async def recorded_lifecycles(store, request_ids: list[str], timeout_s: float = 
     while True:
         found = {rid: await queries.lifecycle(engine, rid) for rid in request_ids}
         done = all(any(e.type in TERMINAL_TYPES for e in evs) for evs in found.values())
-        if (done and await caught_up(bus)) or time.monotonic() > deadline:
+        try:
+            settled = done and await caught_up(bus)
+        except nats.errors.Error:  # JetStream re-forming after a fault (503, timeout): ask again
+            settled = False
+        if settled or time.monotonic() > deadline:
             return {rid: await queries.lifecycle(engine, rid) for rid in request_ids}
         await asyncio.sleep(0.5)
 
@@ -253,10 +259,8 @@ def check_results(
         assert all(t in types for t in lifecycle_of(events)), (r.request_id, types)
         assert types[0] == "RequestReceived", (r.request_id, types)
         assert committed_tokens(events) == want, r.request_id
-        # the journal is whole when the log says the request ended: the worker that finished it committed
-        # everything before (a migrated-from worker cut off mid-stream may still commit after it, late)
-        finisher = [e.worker_id for e in events if e.type == "DecodeStarted"][-1]
+        # the journal is whole when the log says the request ended (a migrated-from worker cut off
+        # mid-stream may still commit after it, late: those repeat indices already held)
         end = types.index("RequestCompleted")
-        late = [e for e in events[end:] if e.type == "TokensCommitted" and e.worker_id == finisher]
-        assert not late, (r.request_id, finisher, types)
+        assert committed_tokens(events[:end]) == want, (r.request_id, types)
         assert [e.seq for e in events] == list(range(1, len(events) + 1))

@@ -129,7 +129,7 @@ async def test_nats_server_killed_under_load_loses_no_request_and_no_event(
 
 
 async def test_decode_host_link_cut_mid_stream_migrates_its_requests_with_identical_greedy_output(
-    hosts_fault_stack, hosts, tiny_reference
+    hosts_fault_stack, nats_cluster, hosts, tiny_reference
 ):
     stack = hosts_fault_stack
     decode = hosts["decode"]
@@ -150,6 +150,8 @@ async def test_decode_host_link_cut_mid_stream_migrates_its_requests_with_identi
         if restore.is_alive():
             restore.join()
         decode.restore_link()
+        # the healed cluster re-forms its JetStream groups (meta, streams) before anything asks it again
+        await asyncio.to_thread(nats_cluster.wait_jetstream)
     async with open_store(stack.settings) as store:
         lifecycles = await recorded_lifecycles(store, [r.request_id for r in results])
         check_results(results, expected_outputs(tiny_reference, PROMPTS, MAX_TOKENS), tiny_reference[1],
