@@ -113,6 +113,25 @@ def test_a_prefill_chunk_shares_the_step_with_decodes_under_the_budget():
     assert r.first_token_s[1] == pytest.approx(0.110 + step1 + step2, **EXACT)
 
 
+def test_a_colocated_request_waits_for_the_compute_lock_twice():
+    # request 0 decodes in 22 ms steps from t=0.020 (ends 0.042, 0.064, 0.086, ...). Request 1 comes at
+    # 0.050: its reservation takes the lock at 0.064, the step in flight's end; its prefill, sent after
+    # the reservation's reply, finds the next step running and gets the lock at 0.086; the step after
+    # holds its 10 tokens beside the decode. Its start, too, waits for the step running at its first token.
+    r = simulate(colocated(), [SimRequest(0.0, 10, 100), SimRequest(0.050, 10, 2)])
+    assert r.admit_s[1] == pytest.approx(0.064, **EXACT)
+    assert r.prefill_start_s[1] == pytest.approx(0.086, **EXACT)
+    assert r.first_token_s[1] == pytest.approx(0.086 + 0.022 + 0.010, **EXACT)
+    assert r.finish_s[1] == pytest.approx(0.118 + 0.022 + 0.024, **EXACT)
+
+
+def test_decode_token_overhead_grows_each_step_with_its_batch():
+    cfg = colocated().model_copy(update={"overheads": Overheads(decode_token_s=0.003)})
+    r = simulate(cfg, [SimRequest(0.0, 100, 5)])
+    assert r.ttft_s[0] == pytest.approx(0.010 + 100 * 0.001, **EXACT)  # a prefill step decodes nothing
+    assert r.tpot_s[0] == pytest.approx(0.020 + 0.002 + 0.003, **EXACT)
+
+
 def test_max_num_seqs_holds_the_second_prefill_until_the_first_finishes():
     r = simulate(
         colocated(max_num_seqs=1, max_num_batched_tokens=512),

@@ -44,7 +44,9 @@ from pdserve.sim.replica import Replica
 from pdserve.sim.results import SimResult
 from pdserve.sim.workload import SimRequest
 
-_ARRIVE, _STEP, _JOIN, _DISPATCH = 0, 1, 2, 3
+_ARRIVE, _STEP, _JOIN = 0, 1, 2
+# Commands that take a worker's compute lock (`workers/engine_loop.py`), queued on a busy replica.
+_RESERVE, _PREFILL, _START = 0, 1, 2
 # Over this many replicas the policy sees a shortlist: the SHORTLIST with the fewest queued prefill blocks
 # and every replica holding the prompt's first block (a router does the same to bound its decision time).
 SHORTLIST = 8
@@ -176,14 +178,28 @@ def simulate(
             rep.active += 1
             if drep is not rep:
                 drep.active += 1
-                if drep.busy:  # reserve holds the decode worker's compute lock: after its step in flight
-                    push(drep.busy_until, _DISPATCH, i)
-                    continue
+            if drep.busy:  # reserve takes the decode worker's compute lock: after its step in flight
+                drep.locked.append((_RESERVE, i))
+            else:
+                command(drep, _RESERVE, i, now, False)
+
+    def command(rep: Replica, op: int, i: int, now: float, stepping: bool) -> None:
+        """A command that held `rep`'s compute lock runs. `stepping`: it got the lock between two steps of
+        a loop that has more work, so the command the coordinator sends after it (a colocated request's
+        local prefill after its reservation) arrives while the next step runs and waits for that one."""
+        if op == _RESERVE:
+            t_admit[i] = now
+            if colocated and stepping:
+                rep.locked.append((_PREFILL, i))
+            else:
+                dispatch(i, now)
+        elif op == _PREFILL:
             dispatch(i, now)
+        else:  # _START of a colocated request: its first token streamed, it joins the decode batch
+            rep.pending.append(i)
 
     def dispatch(i: int, now: float) -> None:
         """The reservation is made: the prompt joins its prefill (or unified) replica's queue."""
-        t_admit[i] = now
         rep = where_p[i]
         assert rep is not None
         rep.waiting.append(i)
@@ -231,9 +247,8 @@ def simulate(
         if not ptoks and not rep.n_dec:
             rep.busy = False
             return
-        dur = rep.cost.step_s(ptoks, pairs, rep.n_dec, rep.ctx)
+        dur = rep.cost.step_s(ptoks, pairs, rep.n_dec, rep.ctx) + ov.decode_token_s * rep.n_dec
         rep.busy = True
-        rep.busy_until = now + dur
         rep.busy_s += dur
         rep.steps += 1
         rep.plan = (chunks, joined, rep.n_dec, dur)
@@ -258,8 +273,8 @@ def simulate(
             t_first[i] = now + ov.first_token_s
             if olen[i] == 1:
                 finish(i, now)
-            else:
-                rep.pending.appendleft(i)
+            else:  # the coordinator's start arrives as the next step runs (`start_step` may undo that)
+                rep.locked.append((_START, i))
             return
         nbytes = plen[i] * kv_bpt + state_b
         assert link is not None
@@ -293,6 +308,7 @@ def simulate(
         if kind == _STEP:
             rep = item  # type: ignore[assignment]
             chunks, joined, n_dec, dur = rep.plan
+            waiters, rep.locked = rep.locked, []  # what queued on the lock during this step
             rep.step_no += 1
             rep.step_ends.append(now)
             if n_dec:
@@ -313,12 +329,18 @@ def simulate(
                 if entry[1] >= plen[entry[0]]:
                     rep.prefilling.remove(entry)
                     prefill_done(rep, entry[0], now)
+            for op, i in waiters:
+                command(rep, op, i, now, True)
             start_step(rep, now)
+            if not rep.busy and rep.locked:  # nothing to step: what came after finds the lock free
+                waiters, rep.locked = rep.locked, []
+                for op, i in waiters:
+                    command(rep, op, i, now, False)
+                if not rep.busy:
+                    start_step(rep, now)
         elif kind == _ARRIVE:
             admission.append(item)  # type: ignore[arg-type]
             pump(now)
-        elif kind == _DISPATCH:
-            dispatch(item, now)  # type: ignore[arg-type]
         else:  # _JOIN
             i = item  # type: ignore[assignment]
             if i < 0:

@@ -63,13 +63,18 @@ class Overheads(BaseModel):
     """Fixed times of pdserve's control plane around the engine, seconds. `request_s`: client → gateway →
     coordinator → route → reserve → the worker's queue (paid once per request before it can be
     scheduled); `first_token_s`: a worker's first token → the client; `decode_start_s`: the transfer
-    verified → the sequence in the decode batch (`start`). Defaults: 0 (an ideal control plane)."""
+    verified → the sequence in the decode batch (`start`); `decode_token_s`: added to a step's time per
+    sequence it decodes, the serving loop's work per emitted token beyond the engine's forward (the
+    commit's publish, detokenization, and the CPU the gateway's SSE, the recorder and NATS take from the
+    workers' cores per token), which grows a step with its batch as the engine's own per-sequence cost
+    does. Defaults: 0 (an ideal control plane)."""
 
     model_config = ConfigDict(frozen=True)
 
     request_s: float = 0.0
     first_token_s: float = 0.0
     decode_start_s: float = 0.0
+    decode_token_s: float = 0.0
 
 
 class ClusterConfig(BaseModel):

@@ -35,12 +35,12 @@ class Replica:
         "steps",
         "step_ends",
         "index",
-        "busy_until",
+        "locked",
     )
 
     def __init__(self, index: int, name: str, pool: PoolConfig, prefix_caching: bool) -> None:
         self.index = index
-        self.busy_until = 0.0  # end of the step in flight (the worker's compute lock is held until then)
+        self.locked: list[tuple[int, int]] = []  # (command, request) waiting for the compute lock
         self.name, self.role, self.pool, self.cost = name, pool.role, pool, pool.hardware.cost
         caches = prefix_caching and pool.role is not PoolRole.DECODE
         self.cache = PrefixCacheModel(name, pool.capacity_blocks) if caches else None
