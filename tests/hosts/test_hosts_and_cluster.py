@@ -6,7 +6,9 @@ from __future__ import annotations
 
 import asyncio
 import sys
+import time
 
+import nats.errors
 import pytest
 
 from pdserve.bus import Bus
@@ -60,9 +62,17 @@ async def test_events_stream_on_three_replicas_keeps_every_event_through_a_kille
                 model="m", endpoint="/v1/completions", num_prompt_tokens=1, max_tokens=1, stream=False))
             emitted.append(ev.event_id)
         # A new consumer needs the JetStream API, which waits for the meta leader the survivors elect
-        # when the killed server held that role.
+        # when the killed server held that role, and the stream's own leader when it held that one.
         await asyncio.to_thread(nats_cluster.wait_jetstream)
-        recorded = await read_stream(bus, bus.subjects.all_events)
+        deadline = time.monotonic() + 30
+        while True:
+            try:
+                recorded = await read_stream(bus, bus.subjects.all_events)
+                break
+            except nats.errors.Error:  # the stream's group still electing (timeout, 503): ask again
+                if time.monotonic() > deadline:
+                    raise
+                await asyncio.sleep(0.5)
         assert [r.event.event_id for r in recorded] == emitted
     finally:
         await bus.close()
