@@ -33,6 +33,7 @@ from pdserve.events import Event, Payload
 from pdserve.messages import Message, RejectCode, Rejected, Subjects
 
 log = logging.getLogger(__name__)
+JETSTREAM_READY_S = 30.0  # how long a starting service waits for JetStream to answer about the stream
 
 Req = TypeVar("Req", bound=Message)
 Rep = TypeVar("Rep", bound=Message)
@@ -116,13 +117,24 @@ class Bus:
             duplicate_window=120.0,
             num_replicas=self.settings.events_replicas,
         )
-        try:
-            await self.js.stream_info(self.settings.events_stream)
-        except nats.js.errors.NotFoundError:
+        deadline = asyncio.get_running_loop().time() + JETSTREAM_READY_S
+        while True:
             try:
-                await self.js.add_stream(config)
-            except nats.js.errors.BadRequestError:
-                pass  # created concurrently by another service
+                try:
+                    await self.js.stream_info(self.settings.events_stream)
+                except nats.js.errors.NotFoundError:
+                    try:
+                        await self.js.add_stream(config)
+                    except nats.js.errors.BadRequestError:
+                        pass  # created concurrently by another service
+                return
+            except (NatsTimeout, NoRespondersError, nats.js.errors.ServiceUnavailableError) as e:
+                # A cluster still electing its meta or the stream's leader (a server just lost or
+                # restarted, a cluster forming): a service starting then waits rather than exits.
+                if asyncio.get_running_loop().time() > deadline:
+                    raise
+                log.warning("%s: JetStream not ready (%s), asking again", self.service, type(e).__name__)
+                await asyncio.sleep(0.5)
 
     # ------------------------------------------------------------ commands
 
