@@ -64,7 +64,7 @@ async def window_advice(
     finally:
         await db.dispose()
     memory, source = host_accelerator_memory()
-    ev = measure(evts, itl)
+    ev = measure(evts, itl, SLO_MS)
     fleet = max(2, len(set(ev.prefill_workers) | set(ev.decode_workers)))
     return advise(ev, model_spec(model, None, None), link(THIS_MACHINE_LINK), fleet, memory, source)
 

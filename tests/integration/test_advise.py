@@ -56,9 +56,11 @@ def _request(
     prefill=None,
     transfer=None,
     hashes=(),
+    queue_s=0.0,
 ):
     """One request's events: received, (deferred), routed, (prefill, transfer), commits of 16 tokens
-    20 ms apart per token (window `stall_window` at 100 ms per token), completed."""
+    20 ms apart per token (window `stall_window` at 100 ms per token), completed (TTFT: `queue_s` +
+    `prefill_s` + 2 ms of route and reserve; e2e 2 s, or TTFT + 1.5 s when that is later)."""
     rid = new_id()
     out = [
         _ev(
@@ -145,13 +147,13 @@ def _request(
         )
         left, k = left - n, k + 1
     ttft = TTFTBreakdown(
-        queue_s=0.0,
+        queue_s=queue_s,
         route_s=0.001,
         reserve_s=0.001,
         prefill_s=prefill_s,
         exposed_transfer_s=0.0,
         first_token_s=0.0,
-        ttft_s=prefill_s + 0.002,
+        ttft_s=queue_s + prefill_s + 0.002,
     )
     out.append(
         _ev(
@@ -161,7 +163,7 @@ def _request(
                 prompt_tokens=prompt,
                 completion_tokens=completion,
                 ttft=ttft,
-                e2e_s=2.0,
+                e2e_s=max(2.0, ttft.ttft_s + 1.5),
             ),
             ts + 0.01,
         )
@@ -171,7 +173,8 @@ def _request(
 
 def scripted_log() -> list[Event]:
     log = []
-    for i in range(5):  # RAG, 10:1 on two colocated unified workers; one window of request 0 stalls
+    for i in range(5):  # RAG, 10:1 on two colocated unified workers; one window of request 0 stalls, and
+        # the last three queued 2 s behind the prefills before them: their TTFT misses the 2 s SLO
         log += _request(
             RAG + i,
             1000,
@@ -181,6 +184,7 @@ def scripted_log() -> list[Event]:
             f"unified-{i % 2}",
             0.5,
             stall_window=3 if i == 0 else None,
+            queue_s=2.0 if i >= 2 else 0.0,
         )
     for i in range(4):  # chat, 1:20 on one unified worker, steady ITL
         log += _request(CHAT + i, 50, 1000, "colocated", "unified-0", "unified-0", 0.05)
@@ -225,7 +229,7 @@ async def logged(own_database_url: str) -> str:
     return own_database_url
 
 
-async def _advice(url: str, t0: float, model: str):
+async def _advice(url: str, t0: float, model: str, slo_ms=None):
     db = make_db(url)
     try:
         evts = await load_events(
@@ -233,7 +237,7 @@ async def _advice(url: str, t0: float, model: str):
         )
     finally:
         await db.dispose()
-    return advise(measure(evts), model_spec(model, None, None), SHM, 2, 12e9, "test: 12 GB")
+    return advise(measure(evts, slo_ms=slo_ms), model_spec(model, None, None), SHM, 2, 12e9, "test: 12 GB")
 
 
 async def test_rag_on_a_colocated_pool_with_interference_is_stage_3(logged):
@@ -254,13 +258,24 @@ async def test_rag_on_a_colocated_pool_with_interference_is_stage_3(logged):
     assert m["kv_bytes_p95_estimated"] == 1000 * 46080  # SmolLM2 fp32: 30 layers × 2 × 3 heads × 64 × 4 B
     assert m["transfer_s_p95_on_link"] == pytest.approx(46.08e6 / 4.15e9 + 1e-6)
     assert m["prefill_s_p95"] == 0.5
+    assert m["slo_attainment"] == 2 / 5  # three TTFTs of 2.502 s over the default 2 s SLO
     assert m["weight_duplication_share"] == pytest.approx(538_060_032 / 24e9)
     assert (
         a.measurements["preemptions"].value is None and "not an event" in a.measurements["preemptions"].note
     )
     assert a.measurements["hit_rate"].value is None  # a colocated prefill reports no cached tokens
     answers = {c.question.split("?")[0]: c.answer for c in a.checks if c.stage == 3}
-    assert list(answers.values()) == ["yes", "yes", "yes", "yes", "yes", "unknown"]
+    assert list(answers.values()) == ["yes", "yes", "yes", "yes", "yes", "yes", "unknown"]
+
+
+async def test_rag_whose_interference_costs_no_slo_is_not_yet(logged):
+    """The same RAG log at a 3 s TTFT SLO: every request meets it, so the p99 ITL stall costs no goodput
+    and the checklist stops at the SLO question."""
+    a = await _advice(logged, RAG, "smollm2", slo_ms={"ttft": 3000.0, "tpot": 200.0})
+    assert a.measurements["slo_attainment"].value == 1.0
+    assert a.measurements["itl_p99_over_p50"].value == pytest.approx(3.84, rel=1e-4)
+    assert (a.stage, a.stages[2].status) == (1, "not yet")
+    assert a.stages[2].because == "no: Does the baseline miss its SLO? (attainment < 90%)"
 
 
 async def test_chat_without_interference_is_not_yet(logged):

@@ -5,8 +5,10 @@ baseline), 2 more capacity where bound (a host offload tier for cross-request re
 capacity), 3 disaggregated prefill and decode, 4 several replicas with cache-aware routing and a shared store.
 Each stage is warranted only by a measurement of the one before; "not yet" is an answer. Stage 3's test is
 the disaggregation checklist (all must hold): the transfer is cheaper than the prefill it saves, chunked
-prefill is on, p99 ITL ≥ 2 × p50 with it, the prompt:output ratio is extreme (≥ 10:1 or ≤ 1:20), and the
-second pool's weight copy is a small share of the fleet. Thresholds are `Thresholds`' fields.
+prefill is on, p99 ITL ≥ 2 × p50 with it, the colocated baseline misses its SLO for enough requests that
+there is goodput to win (the seed's "the gain is largest when SLOs are tight on both TTFT and ITL";
+DistServe's goodput counts requests within the SLO), the prompt:output ratio is extreme (≥ 10:1 or ≤ 1:20),
+and the second pool's weight copy is a small share of the fleet. Thresholds are `Thresholds`' fields.
 """
 
 from __future__ import annotations
@@ -31,6 +33,7 @@ class Thresholds(BaseModel):
     model_config = ConfigDict(frozen=True)
 
     interference_ratio: float = 2.0
+    slo_attainment: float = 0.90  # DistServe's attainment target (§6: 90% of requests within the SLO)
     extreme_in_out: float = 10.0
     extreme_out_in: float = 20.0
     transfer_over_prefill: float = 1.0
@@ -267,6 +270,33 @@ def advise(
             "itl_p99_ms",
             "itl_p99_over_p50",
         )
+    att = m["slo_attainment"]
+    slo_question = f"Does the baseline miss its SLO? (attainment < {t.slo_attainment:.0%})"
+    if att.value is None or not colocated:
+        slo_missed: Answer = check(
+            3,
+            slo_question,
+            "unknown",
+            att.note
+            if att.value is None
+            else f"{att.value:.0%} met the SLO but the requests ran {mode_text}: the question is asked of "
+            "the colocated baseline",
+            "slo_attainment",
+        )
+    else:
+        slo_missed = check(
+            3,
+            slo_question,
+            "yes" if att.value < t.slo_attainment else "no",
+            f"{att.value:.0%} of {att.samples} requests met it ({att.source})"
+            + (
+                ""
+                if att.value < t.slo_attainment
+                else ": whatever interference there is costs no goodput at this load, and disaggregation's "
+                "gain is goodput at the same SLO"
+            ),
+            "slo_attainment",
+        )
     r = m["prompt_to_output_ratio"]
     if r.value is None:
         extreme: Answer = check(
@@ -375,7 +405,7 @@ def advise(
     else:
         s2, why2 = "not yet", "neither capacity- nor recompute-bound"
     stages.append(StageVerdict(stage=2, name=STAGE_NAMES[2], status=s2, because=why2))
-    s3_answers = (cheap, chunked, interf, extreme, scale)
+    s3_answers = (cheap, chunked, interf, slo_missed, extreme, scale)
     failed = [c.question for c in checks if c.stage == 3 and c.answer == "no"]
     if disagg and not colocated:
         s3: Status = "in place"

@@ -81,6 +81,7 @@ class RequestFacts:
     transfer_s: float | None = None
     exposed_transfer_s: float | None = None
     ttft_s: float | None = None
+    e2e_s: float | None = None
     deferrals: int = 0
     failed_reason: str | None = None
     migrations: int = 0
@@ -119,6 +120,7 @@ def fold(evts: Iterable[Event]) -> dict[str, RequestFacts]:
             r.prompt_tokens = r.prompt_tokens or int(p["prompt_tokens"])
             t = p["ttft"]
             r.ttft_s, r.exposed_transfer_s = float(t["ttft_s"]), float(t["exposed_transfer_s"])
+            r.e2e_s = float(p["e2e_s"])
             if r.prefill_s is None:
                 r.prefill_s = float(t["prefill_s"])
         elif e.type == "RequestFailed":
@@ -165,6 +167,16 @@ def _itl_from_commits(facts: Iterable[RequestFacts]) -> list[float]:
     return out
 
 
+def tpot_s(r: RequestFacts) -> float:
+    """Time per output token after the first, seconds: (e2e − TTFT) / (completion_tokens − 1), vLLM's TPOT;
+    0 for a request with one output token (vLLM's convention too)."""
+    n = r.completion_tokens or 0
+    return (r.e2e_s - r.ttft_s) / (n - 1) if n > 1 and r.e2e_s is not None and r.ttft_s is not None else 0.0
+
+
+DEFAULT_SLO_MS = {"ttft": 2000.0, "tpot": 200.0}  # `pdserve bench compare`'s default goodput SLO
+
+
 def _reuse_ceiling(routed_events: Iterable[Event]) -> tuple[int, int]:
     """(prompt tokens whose block an earlier request of the window had already computed, prompt tokens):
     the hit rate of one infinite cache holding every block ever computed (`RequestRouted.
@@ -184,8 +196,11 @@ def _reuse_ceiling(routed_events: Iterable[Event]) -> tuple[int, int]:
     return reusable, total
 
 
-def measure(evts: Sequence[Event], client_itl: ClientITL | None = None) -> Evidence:
-    """Every measurement advise uses, from `evts` (stream order)."""
+def measure(
+    evts: Sequence[Event], client_itl: ClientITL | None = None, slo_ms: dict[str, float] | None = None
+) -> Evidence:
+    """Every measurement advise uses, from `evts` (stream order). `slo_ms`: the SLO attainment is counted
+    at ({"ttft": ms, "tpot": ms}; default `DEFAULT_SLO_MS`)."""
     facts = fold(evts)
     done = [r for r in facts.values() if r.completion_tokens is not None]
     modes: dict[str, int] = {}
@@ -345,6 +360,31 @@ def measure(evts: Sequence[Event], client_itl: ClientITL | None = None) -> Evide
                     "too short for the log to show ITL; pass --itl-from a bench serve result",
                 )
             )
+
+    # SLO attainment (DistServe's goodput counts the requests that meet it)
+    slo = slo_ms or DEFAULT_SLO_MS
+    ended = [r for r in facts.values() if r.completion_tokens is not None or r.failed_reason]
+    if ended:
+        met = [
+            r.completion_tokens is not None
+            and r.ttft_s * 1e3 <= slo["ttft"]
+            and tpot_s(r) * 1e3 <= slo["tpot"]
+            for r in ended
+        ]
+        put(
+            measured(
+                "slo_attainment",
+                sum(met) / len(ended),
+                "of requests",
+                f"RequestCompleted.ttft.ttft_s ≤ {slo['ttft']:g} ms and (e2e_s − ttft_s) / "
+                f"(completion_tokens − 1) ≤ {slo['tpot']:g} ms; a RequestFailed misses it",
+                len(ended),
+                "TTFT from the gateway's receive to the first token leaving the decode worker: a client's "
+                "TTFT less its HTTP and SSE hops",
+            )
+        )
+    else:
+        put(missing("slo_attainment", "of requests", "RequestCompleted", "no request ended in the window"))
 
     # capacity headroom
     n = len(facts)

@@ -25,7 +25,7 @@ from pdserve.advise.economics import (
     economics,
     measure_prefill_s,
 )
-from pdserve.advise.evidence import client_itl_from_bench, load_events, measure
+from pdserve.advise.evidence import DEFAULT_SLO_MS, client_itl_from_bench, load_events, measure
 from pdserve.advise.models import ModelSpec, llama_3_70b, served_spec
 from pdserve.advise.plot import plot_advice, plot_economics
 from pdserve.cli.output import make_console
@@ -110,7 +110,7 @@ def run_advise(args: argparse.Namespace) -> int:
         itl = client_itl_from_bench(
             json.loads(Path(args.itl_from).read_text()), f"client ITL, pdserve bench serve ({args.itl_from})"
         )
-    ev = measure(evts, itl)
+    ev = measure(evts, itl, {"ttft": args.slo_ttft_ms, "tpot": args.slo_tpot_ms})
     memory, source = host_accelerator_memory()
     if args.accelerator_memory_gb:
         memory, source = args.accelerator_memory_gb * 1e9, "--accelerator-memory-gb"
@@ -248,6 +248,12 @@ def add_parsers(subparsers: argparse._SubParsersAction) -> None:
         help="memory per accelerator (default: this machine's RAM per core)",
     )
     p.add_argument("--itl-from", default=None, help="a `pdserve bench serve` result JSON: its client ITL")
+    p.add_argument(
+        "--slo-ttft-ms", type=float, default=DEFAULT_SLO_MS["ttft"], help="the SLO attainment's TTFT bound"
+    )
+    p.add_argument(
+        "--slo-tpot-ms", type=float, default=DEFAULT_SLO_MS["tpot"], help="the SLO attainment's TPOT bound"
+    )
     p.add_argument("--json", action="store_true", help="Print the advice as JSON.")
     p.add_argument("--plot", default=None, help="write a PNG of the advice here")
     p.add_argument("--title", default=None, help="the plot's title")
