@@ -5,7 +5,9 @@ stack's event log, and the measured comparison of the candidate stages on the sa
   caching, chunked prefill) and a disaggregated one (stage 3), each started by `pdserve up` as `pdserve bench
   compare` starts them (`bench.compare.StackRun`: each pool pinned to its own core), the same `bench serve`
   random workload against both. Advise reads the colocated stack's log (the baseline the method measures
-  first) with the client's ITL; the comparison is disaggregated ÷ colocated goodput at the SLO, TTFT and TPOT.
+  first) with the client's ITL and an engine profile taken at the start of the run
+  (`benchmarks/pinned_profile.py`: `pdserve advise --profile`, the simulated split of the same fleet); the
+  comparison is disaggregated ÷ colocated goodput at the SLO, TTFT and TPOT.
 - agentic shared-prefix traffic (`shared_prefix`: each session a 1,024-token context of its own, 3 turns
   that grow it, short outputs), tiny model, one stack of 4 prefill replicas + 1 decode worker
   (`benchmarks/routing_stack.RoutingStack`): round robin (stage 3, no cache-aware routing) then kv routing
@@ -34,17 +36,20 @@ from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
+from benchmarks.pinned_profile import profile_here  # noqa: E402
 from benchmarks.routing_stack import RoutingStack  # noqa: E402
 from pdserve.advise.decide import Advice, advise  # noqa: E402
 from pdserve.advise.evidence import ClientITL, load_events, measure  # noqa: E402
 from pdserve.advise.plot import plot_advice  # noqa: E402
+from pdserve.advise.whatif import with_split  # noqa: E402
 from pdserve.bench.compare import CompareConfig, StackRun, code_commit, warm_up  # noqa: E402
 from pdserve.bench.pinning import pin_pools  # noqa: E402
 from pdserve.bench.serve import ServeConfig, run_serve  # noqa: E402
-from pdserve.cli.advise import THIS_MACHINE_LINK, host_accelerator_memory, model_spec  # noqa: E402
+from pdserve.cli.advise import THIS_MACHINE_LINK, host_accelerator_memory, model_spec, worker_shape  # noqa: E402
 from pdserve.config import CommonSettings  # noqa: E402
 from pdserve.embedded import free_port  # noqa: E402
 from pdserve.hardware.links import link  # noqa: E402
+from pdserve.sim.profile import HardwareProfile  # noqa: E402
 from pdserve.store.migrate import create_database, drop_database, upgrade  # noqa: E402
 from pdserve.store.queries import make_db  # noqa: E402
 
@@ -56,8 +61,14 @@ MARK_START, MARK_END = "<!-- advise-workloads:start -->", "<!-- advise-workloads
 
 
 async def window_advice(
-    database_url: str, since: datetime, until: datetime, model: str, itl: ClientITL | None
+    database_url: str,
+    since: datetime,
+    until: datetime,
+    model: str,
+    itl: ClientITL | None,
+    hardware: HardwareProfile | None = None,
 ) -> Advice:
+    """`pdserve advise` on the window's log (with `--profile`'s what-if when `hardware` is given)."""
     db = make_db(database_url)
     try:
         evts = await load_events(db, since, until)
@@ -66,7 +77,10 @@ async def window_advice(
     memory, source = host_accelerator_memory()
     ev = measure(evts, itl, SLO_MS)
     fleet = max(2, len(set(ev.prefill_workers) | set(ev.decode_workers)))
-    return advise(ev, model_spec(model, None, None), link(THIS_MACHINE_LINK), fleet, memory, source)
+    shm = link(THIS_MACHINE_LINK)
+    if hardware is not None:
+        ev = with_split(ev, evts, hardware, shm, fleet, SLO_MS, worker_shape(), "pdserve profile, this run")
+    return advise(ev, model_spec(model, None, None), shm, fleet, memory, source)
 
 
 def summary(report) -> dict:
@@ -104,8 +118,11 @@ def advice_row(a: Advice) -> dict:
     }
 
 
-def run_pools(name: str, n_in: int, n_out: int, args, env: dict[str, str], tag: str) -> dict:
-    """One workload against a colocated and a disaggregated SmolLM2 stack; advise on each log."""
+def run_pools(
+    name: str, n_in: int, n_out: int, args, env: dict[str, str], tag: str, hardware: HardwareProfile
+) -> dict:
+    """One workload against a colocated and a disaggregated SmolLM2 stack; advise on each log, with the
+    split what-if simulated on `hardware` (this run's engine profile)."""
     out: dict = {
         "workload": name,
         "model": args.model,
@@ -145,6 +162,7 @@ def run_pools(name: str, n_in: int, n_out: int, args, env: dict[str, str], tag: 
                     datetime.now(UTC),
                     args.model,
                     client_itl(report, f"{name} {mode}"),
+                    hardware,
                 )
             )
             plot_advice(a, OUT / f"{STEM}-{name}-{mode}.png", title=f"{name}, {mode}: stage {a.stage}")
@@ -454,11 +472,15 @@ def main() -> int:
     }
     random.seed(args.seed)
     shapes = {"chat": (16, 160), "rag": (200, 20)}
+    hardware = None
+    if set(args.workloads) & set(shapes):
+        print(f"pdserve profile of {args.model} (core 0)", flush=True)
+        hardware = profile_here(ROOT / "var" / "bench-advise" / "profile.json", args.model).measured
     for name in args.workloads:
         if name == "agentic":
             results["workloads"].append(run_agentic(args))
         else:
-            results["workloads"].append(run_pools(name, *shapes[name], args, env, tag))
+            results["workloads"].append(run_pools(name, *shapes[name], args, env, tag, hardware))
         for w in results["workloads"]:
             w.setdefault(
                 "run", {k: results[k] for k in ("command", "started_at", "commit", "loadavg_at_start")}

@@ -2,19 +2,20 @@
 measured here on the same grid (input:output ratios × request rates, colocated and disaggregated).
 
 One run, per mode: `pdserve profile` pinned to core 0 (the core the first worker pool is pinned to), then
-that mode's stack: a few concurrency-1 probe requests (other prompts than the sweep's), the `bench compare`
-sweep (`bench/compare.py`: a real stack, each pool on its own core), then the simulator on the same requests
-(the same random prompts, hashed with pdserve's block hashing, and the same arrival times:
-`bench/datasets.py`, `bench/arrivals.py`, seed 0) with that profile's cost model and the stack's
-configuration (colocated: 2 unified workers; disaggregated: 1 prefill + 1 decode worker; each max_num_seqs
-64, a 512-token budget, 32,768 KV tokens; the `kv` policy; the measured ucxx GB/s as the link), the cost
-model the mean of a profile taken just before and one just after the sweep, the control plane's time before
-the first token from the probes (the engine-only variant uses the profile before and the documented
-constants below instead; both are reported). A sweep keeps its stack up, and every rate of one ratio sends
-the same prompts (one seed), so the simulator runs each ratio's rates in sweep order on one cluster, as the
-stack served them (later rates hit the prefix cache the earlier ones filled). The control plane's fixed
-times are the concurrency-1 phases of docs/benchmarks/control_plane.md (client↔gateway, queue, route,
-reserve, dispatch: 12 ms before the engine, 3 ms for the first token's way back, 2 ms to start decode).
+that mode's stack: a few probe requests (other prompts than the sweep's: one at a time at each ratio, and 8
+decode-heavy ones at once), the `bench compare` sweep (`bench/compare.py`: a real stack, each pool on its
+own core), then the simulator on the same requests (the same random prompts, hashed with pdserve's block
+hashing, and the same arrival times: `bench/datasets.py`, `bench/arrivals.py`, seed 0) with that profile's
+cost model and the stack's configuration (colocated: 2 unified workers; disaggregated: 1 prefill + 1 decode
+worker; each max_num_seqs 64, a 512-token budget, 32,768 KV tokens; the `kv` policy; the measured ucxx GB/s
+as the link), the cost model the mean of a profile taken just before and one just after the sweep, the
+control plane's time before the first token and its time per emitted token from the probes (the
+engine-only variant uses the profile before and the documented constants below instead; both are
+reported). A sweep keeps its stack up, and every rate of one ratio sends the same prompts (one seed), so the
+simulator runs each ratio's rates in sweep order on one cluster, as the stack served them (later rates hit
+the prefix cache the earlier ones filled). The control plane's fixed times are the concurrency-1 phases of
+docs/benchmarks/control_plane.md (client↔gateway, queue, route, reserve, dispatch: 12 ms before the engine,
+3 ms for the first token's way back, 2 ms to start decode).
 
 Writes docs/benchmarks/sim-validation.{json,md,png}: TTFT p50, TPOT p50 and goodput per cell, simulated
 beside measured, the error of each, the winner (by goodput, `bench compare`'s margin: 2 requests) per cell.
@@ -27,17 +28,20 @@ import argparse
 import json
 import os
 import statistics
-import subprocess
 import sys
 import time
 from pathlib import Path
 
 import numpy as np
 
-from pdserve.bench.arrivals import arrival_times
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+
+from benchmarks.pinned_profile import profile_here  # noqa: E402
+from pdserve.bench.arrivals import arrival_times  # noqa: E402
 from pdserve.bench.compare import CompareConfig, code_commit, run_compare, split_tokens
 from pdserve.bench.compare_report import WIN_MARGIN_REQUESTS
 from pdserve.bench.datasets import random_dataset
+from pdserve.sim.calibrate import fit_decode_token_s
 from pdserve.sim.cluster import simulate
 from pdserve.sim.config import ClusterConfig, LinkConfig, Overheads, PoolConfig, PoolRole
 from pdserve.sim.profile import Profile
@@ -45,37 +49,7 @@ from pdserve.sim.workload import SimRequest, from_samples
 
 STEM = "sim-validation"
 OVERHEADS = Overheads(request_s=0.012, first_token_s=0.003, decode_start_s=0.002)
-PROFILE_ARGS = [
-    "--prompt-lengths",
-    "8",
-    "32",
-    "64",
-    "128",
-    "256",
-    "--chunk-sizes",
-    "512",
-    "64",
-    "--batches",
-    "1",
-    "2",
-    "4",
-    "8",
-    "16",
-    "--contexts",
-    "16",
-    "64",
-    "160",
-    "--decode-steps",
-    "5",
-    "--reps",
-    "2",
-    "--transports",
-    "ucxx",
-    "tcp",
-    "--families",
-    "smollm2",
-    "--disable-tqdm",
-]
+
 
 
 def cluster(mode: str, profile: Profile, overheads: Overheads = OVERHEADS) -> ClusterConfig:
@@ -147,39 +121,53 @@ def simulate_mode(mode: str, profile: Profile, cfg: dict, overheads: Overheads =
 
 
 PROBE_PROMPTS = 2
+PROBE_SEED = 1000
+# The concurrent probe: decode-heavy requests all sent at once, so each worker's decode batch holds several
+# sequences for ~100 steps; its TPOT is what the serving loop costs per emitted token under a batch.
+CONCURRENT_PROBE = {"ratio": "1:20", "num_prompts": 8, "max_concurrency": 8}
 
 
-def probe(mode: str, base_url: str, cfg: dict) -> dict:
-    """Requests one at a time (concurrency 1) at each ratio's lengths, other prompts than the sweep's (seed
-    1000): the stack's TTFT and TPOT with nothing else running, to calibrate the control plane's
-    overheads on (never a cell of the grid)."""
+def _serve_probe(base_url: str, ratio: str, cfg: dict, num_prompts: int, max_concurrency: int) -> dict:
     import asyncio
 
     from pdserve.bench.serve import ServeConfig, run_serve
 
-    out = {}
+    a, b = (int(x) for x in ratio.split(":"))
+    n_in, n_out = split_tokens(cfg["tokens_per_request"], (a, b))
+    sc = ServeConfig(
+        base_url=base_url,
+        dataset="random",
+        num_prompts=num_prompts,
+        input_len=n_in,
+        output_len=n_out,
+        request_rate=float("inf"),
+        max_concurrency=max_concurrency,
+        seed=PROBE_SEED,
+        database_url=None,
+    )
+    m = asyncio.run(run_serve(sc, progress=False)).metrics
+    return {
+        "input_len": n_in,
+        "output_len": n_out,
+        "num_prompts": num_prompts,
+        "max_concurrency": max_concurrency,
+        "ttft_p50_ms": m.latency["ttft"].median_ms,
+        "tpot_p50_ms": m.latency["tpot"].median_ms,
+    }
+
+
+def probe(mode: str, base_url: str, cfg: dict) -> dict:
+    """Calibration requests on the stack before its sweep, other prompts than the sweep's (seed 1000), never
+    a cell of the grid: `sequential`, each ratio's lengths one at a time (the stack's TTFT and TPOT with
+    nothing else running: the control plane's time before the first token), and `concurrent`,
+    `CONCURRENT_PROBE`'s prompts all at once (its TPOT: the serving loop's time per emitted token)."""
+    out: dict = {"sequential": {}}
     for ratio in cfg["ratios"]:
-        a, b = (int(x) for x in ratio.split(":"))
-        n_in, n_out = split_tokens(cfg["tokens_per_request"], (a, b))
-        sc = ServeConfig(
-            base_url=base_url,
-            dataset="random",
-            num_prompts=PROBE_PROMPTS,
-            input_len=n_in,
-            output_len=n_out,
-            request_rate=float("inf"),
-            max_concurrency=1,
-            seed=1000,
-            database_url=None,
-        )
-        m = asyncio.run(run_serve(sc, progress=False)).metrics
-        out[ratio] = {
-            "input_len": n_in,
-            "output_len": n_out,
-            "ttft_p50_ms": m.latency["ttft"].median_ms,
-            "tpot_p50_ms": m.latency["tpot"].median_ms,
-        }
-        print(f"  probe {mode} {ratio}: {out[ratio]}", flush=True)
+        out["sequential"][ratio] = _serve_probe(base_url, ratio, cfg, PROBE_PROMPTS, 1)
+        print(f"  probe {mode} {ratio}: {out['sequential'][ratio]}", flush=True)
+    cp = CONCURRENT_PROBE
+    out["concurrent"] = _serve_probe(base_url, cp["ratio"], cfg, cp["num_prompts"], cp["max_concurrency"])
+    print(f"  probe {mode} concurrent: {out['concurrent']}", flush=True)
     return out
 
 
@@ -193,34 +181,41 @@ def bracketed(before: Profile, after: Profile | None) -> Profile:
     return before.model_copy(update={"measured": measured, "cost": cost})
 
 
-def calibrate(profile: Profile, probes: dict | None) -> tuple[Overheads, dict]:
-    """The control plane's fixed time before the first token, from the concurrency-1 probes: the client's
-    TTFT above the engine's prefill (median over ratios), instead of the documented quiet-machine 12 ms.
-    Without probes: the documented constants."""
+def simulated_probe_tpot_s(mode: str, profile: Profile, overheads: Overheads, p: dict) -> float:
+    """TPOT p50 (s) of the concurrent probe `p` simulated on `mode`'s cluster: its prompts (seed 1000), all
+    arriving at t = 0 (the client sends `max_concurrency` ≥ `num_prompts` at once)."""
+    samples = random_dataset(p["num_prompts"], p["input_len"], p["output_len"], 0.0, 0, PROBE_SEED)
+    res = simulate(cluster(mode, profile, overheads), from_samples(samples, [0.0] * len(samples)))
+    return float(np.median(res.tpot_s[res.done & (res.output_len > 1)]))
+
+
+def calibrate(mode: str, profile: Profile, probes: dict | None) -> tuple[Overheads, dict]:
+    """The control plane's time around the engine, from the probes (without probes: the documented
+    constants). `request_s`: the sequential probes' client TTFT above the engine's prefill (median over
+    ratios). `decode_token_s`: fitted (`sim/calibrate.py`) so the simulated concurrent probe's TPOT p50 is
+    the measured one."""
     if not probes:
         return OVERHEADS, {}
     c = profile.cost
-    ttft_extra = [p["ttft_p50_ms"] / 1e3 - c.prefill_s(p["input_len"]) for p in probes.values()]
+    seq = probes["sequential"]
+    ttft_extra = [p["ttft_p50_ms"] / 1e3 - c.prefill_s(p["input_len"]) for p in seq.values()]
     request_s = max(0.0, statistics.median(ttft_extra))
     ov = Overheads(request_s=request_s, first_token_s=0.0, decode_start_s=OVERHEADS.decode_start_s)
-    return ov, {"request_s": request_s, "ttft_above_engine_s": ttft_extra}
+    target_s = probes["concurrent"]["tpot_p50_ms"] / 1e3
 
+    def tpot_at(decode_token_s: float) -> float:
+        with_token = ov.model_copy(update={"decode_token_s": decode_token_s})
+        return simulated_probe_tpot_s(mode, profile, with_token, probes["concurrent"])
 
-def profile_here(out: Path) -> Profile:
-    cmd = [
-        "taskset",
-        "-c",
-        "0",
-        sys.executable,
-        "-m",
-        "pdserve.cli.main",
-        "profile",
-        "--out",
-        str(out),
-        *PROFILE_ARGS,
-    ]
-    subprocess.run(cmd, check=True, timeout=1800)
-    return Profile.read(out)
+    decode_token_s = fit_decode_token_s(tpot_at, target_s)
+    ov = ov.model_copy(update={"decode_token_s": decode_token_s})
+    engine_tpot = tpot_at(0.0)
+    return ov, {
+        "request_s": request_s,
+        "ttft_above_engine_s": ttft_extra,
+        "decode_token_s": decode_token_s,
+        "concurrent_probe_tpot_s": {"measured": target_s, "simulated_engine_only": engine_tpot},
+    }
 
 
 def measure(args: argparse.Namespace, work: Path) -> dict:
@@ -307,7 +302,7 @@ def compare_variant(results: dict, variant: str) -> dict:
         if variant == "calibrated":
             after = results.get("profiles_after", {}).get(mode)
             prof = bracketed(prof, Profile.model_validate(after) if after else None)
-            ov, calibration[mode] = calibrate(prof, results.get("probes", {}).get(mode))
+            ov, calibration[mode] = calibrate(mode, prof, results.get("probes", {}).get(mode))
         sims += simulate_mode(mode, prof, cfg, ov)
     sim_by = {(c["mode"], c["ratio"], c["request_rate"]): c for c in sims}
     rows = []
@@ -393,8 +388,10 @@ def calibration_text(r: dict) -> str:
             else "the profile before the sweep (this run took none after)"
         )
         parts.append(
-            f"{mode}: {bracket}, {c.get('request_s', 0) * 1e3:.0f} ms of control plane before the "
-            "first token from the probes"
+            f"{mode}: {bracket}, {c['request_s'] * 1e3:.0f} ms of control plane before the first token "
+            f"from the sequential probes, {c['decode_token_s'] * 1e3:.1f} ms per emitted token from the "
+            f"concurrent probe (TPOT p50 {c['concurrent_probe_tpot_s']['measured'] * 1e3:.1f} ms measured, "
+            f"{c['concurrent_probe_tpot_s']['simulated_engine_only'] * 1e3:.1f} ms simulated without it)"
             if c
             else f"{mode}: no probes, documented constants"
         )
@@ -484,9 +481,11 @@ def markdown(r: dict) -> str:
         )
     lines += [
         "",
-        "What the simulator does not model (docs/architecture.md §17): the CPU the gateway, router, "
-        "coordinator and recorder take from the workers' cores; streaming each token over NATS and SSE; "
-        "the decode worker's checksum verification; the noise of the other work on these 2 cores.",
+        "What the simulator models of the control plane is two calibrated constants: a fixed time before "
+        "each request's first token and a time per emitted token (the CPU the gateway, coordinator, "
+        "recorder and NATS take from the workers' cores while streaming). Not modelled "
+        "(docs/architecture.md §17): how either varies with load, the decode worker's checksum "
+        "verification, the noise of the other work on these 2 cores.",
     ]
     return "\n".join(lines) + "\n"
 

@@ -4,6 +4,7 @@ pressure → 2, shared-prefix traffic round-robined over 4 prefill replicas → 
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import random
 import time
@@ -12,7 +13,8 @@ from datetime import UTC, datetime
 import pytest
 
 from pdserve.advise.decide import advise
-from pdserve.advise.evidence import load_events, measure
+from pdserve.advise.evidence import load_events, measure, measured
+from pdserve.advise.whatif import GAIN
 from pdserve.cli import main as cli
 from pdserve.cli.advise import model_spec
 from pdserve.engine.block_hash import hash_blocks
@@ -265,7 +267,7 @@ async def test_rag_on_a_colocated_pool_with_interference_is_stage_3(logged):
     )
     assert a.measurements["hit_rate"].value is None  # a colocated prefill reports no cached tokens
     answers = {c.question.split("?")[0]: c.answer for c in a.checks if c.stage == 3}
-    assert list(answers.values()) == ["yes", "yes", "yes", "yes", "yes", "yes", "unknown"]
+    assert list(answers.values()) == ["yes", "yes", "yes", "yes", "unknown", "yes", "yes", "unknown"]
 
 
 async def test_rag_whose_interference_costs_no_slo_is_not_yet(logged):
@@ -276,6 +278,53 @@ async def test_rag_whose_interference_costs_no_slo_is_not_yet(logged):
     assert a.measurements["itl_p99_over_p50"].value == pytest.approx(3.84, rel=1e-4)
     assert (a.stage, a.stages[2].status) == (1, "not yet")
     assert a.stages[2].because == "no: Does the baseline miss its SLO? (attainment < 90%)"
+
+
+def _with_split_gain(ev, gain: float):
+    """`ev` with the split what-if's measurements as `whatif.simulate_split` reports them."""
+    src = "pdserve sim on this log's 5 completed requests (test)"
+    m = {
+        "split_goodput_colocated": measured("split_goodput_colocated", 0.5, "req/s", src, 5, "2 unified"),
+        "split_goodput_best": measured(
+            "split_goodput_best", 0.5 * gain, "req/s", src, 5, "1 prefill + 1 decode"
+        ),
+        GAIN: measured(GAIN, gain, "×", src, 5, "best split 1P+1D ÷ colocated"),
+    }
+    return dataclasses.replace(ev, m={**ev.m, **m})
+
+
+@pytest.mark.parametrize(("gain", "stage", "status"), [(0.4, 1, "not yet"), (1.1, 3, "warranted")])
+async def test_a_simulated_split_decides_stage_3_with_the_checklist(logged, gain, stage, status):
+    """The RAG log's checklist holds; the split simulated on its requests must also win ≥ 1.1× goodput."""
+    db = make_db(logged)
+    try:
+        evts = await load_events(
+            db, datetime.fromtimestamp(RAG - 1, UTC), datetime.fromtimestamp(RAG + 50, UTC)
+        )
+    finally:
+        await db.dispose()
+    ev = _with_split_gain(measure(evts), gain)
+    a = advise(ev, model_spec("smollm2", None, None), SHM, 2, 12e9, "test: 12 GB")
+    split = next(c for c in a.checks if c.question.startswith("Would a split of this fleet"))
+    assert split.answer == ("yes" if gain >= 1.1 else "no")
+    assert (
+        split.because
+        == f"1 prefill + 1 decode: {0.5 * gain:.3f} req/s against 0.500 for 2 unified ({gain:.2f}×)"
+    )
+    assert (a.stage, a.stages[2].status) == (stage, status)
+
+
+async def test_without_a_profile_the_split_is_unknown_and_stage_3_rests_on_the_checklist(logged):
+    a = await _advice(logged, RAG, "smollm2")
+    split = next(c for c in a.checks if c.question.startswith("Would a split of this fleet"))
+    assert split.answer == "unknown" and "--profile" in split.because
+    assert a.stages[2].status == "warranted"
+
+
+def test_cli_says_when_the_profile_cannot_be_read(logged, capsys, tmp_path):
+    missing_profile = tmp_path / "none.json"
+    assert cli.main(["advise", "--database-url", logged, "--profile", str(missing_profile)]) == 2
+    assert f"cannot read the profile {missing_profile}" in capsys.readouterr().out
 
 
 async def test_chat_without_interference_is_not_yet(logged):

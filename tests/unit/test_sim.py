@@ -4,11 +4,13 @@ pdserve's block hashes; its metrics against bench/metrics.py; the cost fit and t
 
 from __future__ import annotations
 
+import numpy as np
 import pytest
 
 from pdserve.bench.datasets import random_dataset
 from pdserve.bench.metrics import RequestRecord, calculate_metrics
 from pdserve.hardware.accelerators import ACCELERATORS, accelerator
+from pdserve.sim.calibrate import fit_decode_token_s
 from pdserve.sim.cluster import simulate
 from pdserve.sim.config import ClusterConfig, LinkConfig, Overheads, PoolConfig, PoolRole
 from pdserve.sim.cost import StepCost, attention_pairs
@@ -299,3 +301,24 @@ def test_reserve_waits_for_the_decode_workers_step_in_flight():
     lock_free = join + steps_before * 0.022
     assert r.admit_s[1] == pytest.approx(lock_free, **EXACT)
     assert r.first_token_s[1] == pytest.approx(lock_free + 0.010 + 10 * 0.001, **EXACT)
+
+
+def test_decode_token_fit_finds_where_the_simulated_tpot_meets_the_measured():
+    # a simulated TPOT of 22 ms + 1 × the per-token time (one sequence per step): 30 ms needs 8 ms
+    assert fit_decode_token_s(lambda x: 0.022 + x, 0.030) == pytest.approx(0.008, abs=1e-4)
+    assert fit_decode_token_s(lambda x: 0.022 + x, 0.020) == 0.0  # the engine alone is already slower
+    assert fit_decode_token_s(lambda x: 0.022 + x, 0.5) == pytest.approx(0.05, abs=1e-4)  # capped at 50 ms
+    with pytest.raises(ValueError, match="positive"):
+        fit_decode_token_s(lambda x: x, 0.0)
+
+
+def test_fitted_decode_token_time_reproduces_a_batchs_tpot():
+    """Four sequences decoding together: each step 20 + 4 × 2 ms of engine + 4 × the per-token time."""
+    reqs = [SimRequest(0.0, 10, 50)] * 4
+
+    def tpot(x: float) -> float:
+        cfg = colocated().model_copy(update={"overheads": Overheads(decode_token_s=x)})
+        return float(np.median(simulate(cfg, reqs).tpot_s))
+
+    x = fit_decode_token_s(tpot, 0.040)
+    assert x == pytest.approx(0.003, abs=1e-4) and tpot(x) == pytest.approx(0.040, abs=4e-4)

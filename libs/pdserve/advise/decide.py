@@ -8,7 +8,10 @@ the disaggregation checklist (all must hold): the transfer is cheaper than the p
 prefill is on, p99 ITL ≥ 2 × p50 with it, the colocated baseline misses its SLO for enough requests that
 there is goodput to win (the seed's "the gain is largest when SLOs are tight on both TTFT and ITL";
 DistServe's goodput counts requests within the SLO), the prompt:output ratio is extreme (≥ 10:1 or ≤ 1:20),
-and the second pool's weight copy is a small share of the fleet. Thresholds are `Thresholds`' fields.
+and the second pool's weight copy is a small share of the fleet; with an engine profile, also that
+`pdserve sim`, fitted to this log, gives a split of the same fleet ≥ 1.1× the baseline's goodput on these
+requests (`whatif.py`: DistServe's placement search, asked of the traffic served). Thresholds are
+`Thresholds`' fields.
 """
 
 from __future__ import annotations
@@ -20,6 +23,7 @@ from pydantic import BaseModel, ConfigDict
 from pdserve.advise.economics import Duplication, duplication
 from pdserve.advise.evidence import Evidence, Measurement, measured, missing
 from pdserve.advise.models import ModelSpec
+from pdserve.advise.whatif import GAIN
 from pdserve.hardware.links import Link, classify
 
 Answer = Literal["yes", "no", "unknown"]
@@ -34,6 +38,7 @@ class Thresholds(BaseModel):
 
     interference_ratio: float = 2.0
     slo_attainment: float = 0.90  # DistServe's attainment target (§6: 90% of requests within the SLO)
+    split_gain: float = 1.1  # the simulated split's goodput ÷ the baseline's (bench compare's 10% margin)
     extreme_in_out: float = 10.0
     extreme_out_in: float = 20.0
     transfer_over_prefill: float = 1.0
@@ -297,6 +302,35 @@ def advise(
             ),
             "slo_attainment",
         )
+    gain = m.get(GAIN)
+    split_question = (
+        f"Would a split of this fleet serve more of these requests within the SLO? (simulated, ≥ "
+        f"{t.split_gain:g}× goodput)"
+    )
+    if gain is None or gain.value is None:
+        split: Answer = check(
+            3,
+            split_question,
+            "unknown",
+            gain.note
+            if gain is not None
+            else "no engine profile given (--profile, from `pdserve profile`): the split was not simulated",
+        )
+    elif not colocated:
+        split = check(
+            3, split_question, "unknown", f"the requests ran {mode_text}: the log is not the baseline's", GAIN
+        )
+    else:
+        best, co = m["split_goodput_best"], m["split_goodput_colocated"]
+        split = check(
+            3,
+            split_question,
+            "yes" if gain.value >= t.split_gain else "no",
+            f"{best.note}: {best.value:.3f} req/s against {co.value:.3f} for {co.note} ({gain.value:.2f}×)",
+            "split_goodput_colocated",
+            "split_goodput_best",
+            GAIN,
+        )
     r = m["prompt_to_output_ratio"]
     if r.value is None:
         extreme: Answer = check(
@@ -405,7 +439,11 @@ def advise(
     else:
         s2, why2 = "not yet", "neither capacity- nor recompute-bound"
     stages.append(StageVerdict(stage=2, name=STAGE_NAMES[2], status=s2, because=why2))
-    s3_answers = (cheap, chunked, interf, slo_missed, extreme, scale)
+    # The simulated split is asked only where it was simulated (an engine profile): without one, stage 3
+    # rests on the checklist alone, as the seed's does.
+    s3_answers = (cheap, chunked, interf, slo_missed, extreme, scale) + (
+        (split,) if split != "unknown" else ()
+    )
     failed = [c.question for c in checks if c.stage == 3 and c.answer == "no"]
     if disagg and not colocated:
         s3: Status = "in place"

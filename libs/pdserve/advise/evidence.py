@@ -67,6 +67,8 @@ class RequestFacts:
 
     request_id: str
     prompt_tokens: int = 0
+    received_ts: float | None = None  # RequestReceived, UNIX seconds
+    block_hashes: tuple[int, ...] = ()  # RequestRouted.prompt_block_hashes
     mode: str | None = None
     prefill_worker: str | None = None
     decode_worker: str | None = None
@@ -95,8 +97,9 @@ def fold(evts: Iterable[Event]) -> dict[str, RequestFacts]:
         r = out.setdefault(e.request_id, RequestFacts(e.request_id))
         p = e.payload
         if e.type == "RequestReceived":
-            r.prompt_tokens = int(p["num_prompt_tokens"])
+            r.prompt_tokens, r.received_ts = int(p["num_prompt_tokens"]), e.ts
         elif e.type == "RequestRouted":
+            r.block_hashes = tuple(int(h) for h in p.get("prompt_block_hashes") or ())
             r.mode, r.prefill_worker, r.decode_worker = (
                 p["mode"],
                 p["prefill_worker_id"],

@@ -14,6 +14,7 @@ import os
 from datetime import datetime
 from pathlib import Path
 
+from pydantic import ValidationError
 from rich.table import Table
 from sqlalchemy.exc import DBAPIError
 
@@ -30,7 +31,7 @@ from pdserve.advise.models import ModelSpec, llama_3_70b, served_spec
 from pdserve.advise.plot import plot_advice, plot_economics
 from pdserve.cli.output import make_console
 from pdserve.cli.replay import parse_since, resolve_database_url
-from pdserve.config import ModelSettings
+from pdserve.config import ModelSettings, WorkerSettings
 from pdserve.hardware.links import LINKS, link
 from pdserve.store.queries import make_db
 
@@ -51,6 +52,15 @@ def host_accelerator_memory() -> tuple[float, str]:
     total = os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES")
     cores = os.cpu_count() or 1
     return total / cores, f"this machine: {total / 2**30:.1f} GiB RAM / {cores} cores (os.sysconf)"
+
+
+def worker_shape() -> dict[str, int]:
+    """Each replica's limits as a worker started in this environment runs them (`WorkerSettings`'
+    defaults unless PDS_MAX_NUM_SEQS, PDS_MAX_NUM_BATCHED_TOKENS, PDS_KV_CAPACITY_TOKENS, PDS_BLOCK_SIZE
+    say otherwise): the simulated replicas' `PoolConfig` limits."""
+    fields = WorkerSettings.model_fields
+    keys = ("max_num_seqs", "max_num_batched_tokens", "kv_capacity_tokens", "block_size")
+    return {k: int(os.environ.get(f"PDS_{k.upper()}", fields[k].default)) for k in keys}
 
 
 async def _load(url: str, since: datetime | None, until: datetime | None):
@@ -95,7 +105,16 @@ def print_advice(a: Advice) -> None:
 
 
 def run_advise(args: argparse.Namespace) -> int:
-    """Exit status: 0 done, 2 the database could not be read, 3 no request in the window."""
+    """Exit status: 0 done, 2 the database or the profile could not be read, 3 no request in the window."""
+    hw = None
+    if args.profile:
+        from pdserve.sim.profile import Profile
+
+        try:
+            hw = Profile.read(args.profile).measured
+        except (OSError, ValidationError) as e:
+            console.print(f"[red]cannot read the profile {args.profile}: {type(e).__name__}: {e}[/red]")
+            return 2
     url = resolve_database_url(args.database_url, args.var_dir)
     try:
         evts = asyncio.run(_load(url, args.since, args.until))
@@ -110,11 +129,16 @@ def run_advise(args: argparse.Namespace) -> int:
         itl = client_itl_from_bench(
             json.loads(Path(args.itl_from).read_text()), f"client ITL, pdserve bench serve ({args.itl_from})"
         )
-    ev = measure(evts, itl, {"ttft": args.slo_ttft_ms, "tpot": args.slo_tpot_ms})
+    slo = {"ttft": args.slo_ttft_ms, "tpot": args.slo_tpot_ms}
+    ev = measure(evts, itl, slo)
     memory, source = host_accelerator_memory()
     if args.accelerator_memory_gb:
         memory, source = args.accelerator_memory_gb * 1e9, "--accelerator-memory-gb"
     fleet = args.fleet or max(2, len(set(ev.prefill_workers) | set(ev.decode_workers)))
+    if hw is not None:
+        from pdserve.advise.whatif import with_split
+
+        ev = with_split(ev, evts, hw, link(args.link), fleet, slo, worker_shape(), f"profile {args.profile}")
     a = advise(ev, model_spec(args.model, None, None), link(args.link), fleet, memory, source, Thresholds())
     if args.plot:
         plot_advice(a, Path(args.plot), title=args.title or "")
@@ -248,6 +272,12 @@ def add_parsers(subparsers: argparse._SubParsersAction) -> None:
         help="memory per accelerator (default: this machine's RAM per core)",
     )
     p.add_argument("--itl-from", default=None, help="a `pdserve bench serve` result JSON: its client ITL")
+    p.add_argument(
+        "--profile",
+        type=Path,
+        default=None,
+        help="an engine profile (`pdserve profile --out`): simulate splitting the fleet on the log",
+    )
     p.add_argument(
         "--slo-ttft-ms", type=float, default=DEFAULT_SLO_MS["ttft"], help="the SLO attainment's TTFT bound"
     )

@@ -1,0 +1,37 @@
+"""Fitting the control plane's per-token time to a measured TPOT.
+
+`pdserve profile` times the engine alone; a served stack also spends CPU per emitted token outside the
+forward (the commit's publish, detokenization, the gateway's SSE, the recorder and NATS on the same cores),
+which grows a decode step with its batch. `Overheads.decode_token_s` charges it; this fits it so that a
+simulation of measured traffic reproduces the TPOT the stack measured (the way Vidur and DistServe fit
+their latency models to profiled runs before predicting with them).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+
+DECODE_TOKEN_MAX_S = 0.05  # 50 ms per token: above any CPU control plane measured here (~1-5 ms)
+DECODE_TOKEN_TOL_S = 1e-4
+
+
+def fit_decode_token_s(
+    tpot_at: Callable[[float], float],
+    target_s: float,
+    hi_s: float = DECODE_TOKEN_MAX_S,
+    tol_s: float = DECODE_TOKEN_TOL_S,
+) -> float:
+    """The `decode_token_s` (seconds) in [0, `hi_s`] at which `tpot_at(decode_token_s)` (a simulated TPOT
+    p50, seconds, non-decreasing in its argument) reaches `target_s` (the measured TPOT p50, seconds), by
+    bisection to `tol_s` (the last bracket's midpoint). 0 when the engine alone already reaches the
+    target; within `tol_s` of `hi_s` when even that falls short. Raises ValueError when `target_s` is not
+    positive."""
+    if target_s <= 0:
+        raise ValueError(f"target TPOT must be positive, got {target_s}")
+    if tpot_at(0.0) >= target_s:
+        return 0.0
+    lo, hi = 0.0, hi_s
+    while hi - lo > tol_s:
+        mid = (lo + hi) / 2
+        lo, hi = (mid, hi) if tpot_at(mid) < target_s else (lo, mid)
+    return (lo + hi) / 2
