@@ -51,7 +51,6 @@ STEM = "sim-validation"
 OVERHEADS = Overheads(request_s=0.012, first_token_s=0.003, decode_start_s=0.002)
 
 
-
 def cluster(mode: str, profile: Profile, overheads: Overheads = OVERHEADS) -> ClusterConfig:
     hw = profile.measured
     pool = {"max_num_seqs": 64, "max_num_batched_tokens": 512, "kv_capacity_tokens": 32768, "hardware": hw}
@@ -171,6 +170,22 @@ def probe(mode: str, base_url: str, cfg: dict) -> dict:
     return out
 
 
+SLO_TTFT_OVER_PROBE = 1.4  # × the longest one-at-a-time TTFT p50: room for queueing, not for a backlog
+SLO_TPOT_OVER_PROBE = 1.3  # × one stream's TPOT p50: a batch of a few sequences meets it, a stalled one not
+
+
+def slo_from_probes(p: dict) -> dict[str, float]:
+    """The goodput SLO where this machine's two modes differ on the day, from the first stack's sequential
+    probes (never from the sweep): TTFT ≤ 1.4 × the longest ratio's TTFT p50, TPOT ≤ 1.3 × the median
+    TPOT p50, ms, rounded to 10 ms. A fixed SLO does not travel: on a slower day every request of both
+    modes misses a TPOT bound the quiet machine met, and every cell is a tie (a winner test that cannot
+    fail)."""
+    seq = p["sequential"].values()
+    ttft = SLO_TTFT_OVER_PROBE * max(x["ttft_p50_ms"] for x in seq)
+    tpot = SLO_TPOT_OVER_PROBE * statistics.median(x["tpot_p50_ms"] for x in seq)
+    return {"ttft": round(ttft, -1), "tpot": round(tpot, -1)}
+
+
 def bracketed(before: Profile, after: Profile | None) -> Profile:
     """The mean of the cost models fitted just before and just after the sweep (the machine's load moves
     within minutes: the two bracket what the sweep ran under)."""
@@ -227,7 +242,13 @@ def measure(args: argparse.Namespace, work: Path) -> dict:
             "tokens_per_request": args.tokens_per_request,
             "seed": 0,
             "burstiness": 1.0,
-            "goodput_slo_ms": {"ttft": args.slo_ttft_ms, "tpot": args.slo_tpot_ms},
+            # filled from the first stack's probes unless given (`slo_from_probes`); one dict, shared with
+            # every CompareConfig below, so the second mode's sweep counts goodput at the same SLO
+            "goodput_slo_ms": (
+                {"ttft": args.slo_ttft_ms, "tpot": args.slo_tpot_ms}
+                if args.slo_ttft_ms and args.slo_tpot_ms
+                else {}
+            ),
         },
         "commit": code_commit(),
         "started": time.strftime("%Y-%m-%d %H:%M UTC", time.gmtime()),
@@ -248,10 +269,20 @@ def measure(args: argparse.Namespace, work: Path) -> dict:
             tokens_per_request=args.tokens_per_request,
             port=args.port,
             var_dir=(work / "stacks").resolve(),
-            goodput_slo_ms=dict(results["config"]["goodput_slo_ms"]),
+            goodput_slo_ms=results["config"]["goodput_slo_ms"],
         )
         print(f"== {mode}: bench compare", flush=True)
-        run_compare(cc, work / mode, probe=lambda m, url: probe(m, url, results["config"]))
+
+        def probe_then_slo(m: str, url: str) -> dict:
+            p = probe(m, url, results["config"])
+            slo = results["config"]["goodput_slo_ms"]
+            if not slo:
+                slo.update(slo_from_probes(p))
+                results["slo_from_probes"] = True
+                print(f"  SLO from the {m} probes: {slo}", flush=True)
+            return p
+
+        run_compare(cc, work / mode, probe=probe_then_slo)
         measured = json.loads((work / mode / "colocated-vs-disaggregated.json").read_text())
         results["measured"] += measured["points"]
         results.setdefault("probes", {}).update(measured.get("probes", {}))
@@ -398,6 +429,15 @@ def calibration_text(r: dict) -> str:
     return "; ".join(parts) or "no calibration data"
 
 
+def slo_text(r: dict) -> str:
+    if r.get("slo_from_probes"):
+        return (
+            f"set from the first stack's one-at-a-time probes: {SLO_TTFT_OVER_PROBE:g} × their longest TTFT "
+            f"p50, {SLO_TPOT_OVER_PROBE:g} × their median TPOT p50"
+        )
+    return "given on the command line"
+
+
 def loads_text(r: dict) -> str:
     loads = r.get("loadavg", {})
     return (
@@ -418,8 +458,9 @@ def markdown(r: dict) -> str:
         f"(random prompts, {cfg['num_prompts']} per cell, {cfg['tokens_per_request']} tokens per request "
         "split by "
         f"the ratio, Poisson arrivals, seed 0; SLO TTFT ≤ {cfg['goodput_slo_ms']['ttft']:.0f} ms and TPOT ≤ "
-        f"{cfg['goodput_slo_ms']['tpot']:.0f} ms). Simulated: `pdserve sim`'s simulator with the cost model "
-        "`pdserve profile` fitted on this machine just before that mode's measurement, on the same requests.",
+        f"{cfg['goodput_slo_ms']['tpot']:.0f} ms, {slo_text(r)}). Simulated: `pdserve sim`'s simulator "
+        "with the cost model `pdserve profile` fitted on this machine just before that mode's measurement, "
+        "on the same requests.",
         "",
         f"**Median absolute error: TTFT p50 {e.get('ttft_p50', float('nan')):.1%}, TPOT p50 "
         f"{e.get('tpot_p50', float('nan')):.1%}, goodput {e.get('request_goodput', float('nan')):.1%} "
@@ -534,11 +575,10 @@ def main() -> None:
     ap.add_argument("--num-prompts", type=int, default=12)
     ap.add_argument("--tokens-per-request", type=int, default=132)
     ap.add_argument("--port", type=int, help="gateway port of the stacks (default: a free one)")
-    # Where this machine's two modes differ: ~1.4x the longest concurrency-1 probe's TTFT (~360 ms) and ~1.3x
-    # one stream's decode step (~60 ms). Under `bench compare`'s default (2 s / 200 ms) both modes meet the
-    # SLO in every cell on a quiet machine, and every cell is a tie: a winner test that cannot fail.
-    ap.add_argument("--slo-ttft-ms", type=float, default=500.0, help="goodput SLO on TTFT (default 500)")
-    ap.add_argument("--slo-tpot-ms", type=float, default=80.0, help="goodput SLO on TPOT (default 80)")
+    # Under `bench compare`'s default (2 s / 200 ms) both modes meet the SLO in every cell on a quiet
+    # machine, and every cell is a tie: a winner test that cannot fail. Default: `slo_from_probes`.
+    ap.add_argument("--slo-ttft-ms", type=float, help="goodput SLO on TTFT (default: from the probes)")
+    ap.add_argument("--slo-tpot-ms", type=float, help="goodput SLO on TPOT (default: from the probes)")
     ap.add_argument("--work", type=Path, default=Path("var/sim-validation"))
     ap.add_argument("--out", type=Path, default=Path("docs/benchmarks"))
     ap.add_argument(
