@@ -231,7 +231,8 @@ async def logged(own_database_url: str) -> str:
     return own_database_url
 
 
-async def _advice(url: str, t0: float, model: str, slo_ms=None):
+async def _evidence(url: str, t0: float, slo_ms=None):
+    """The measurements of the scripted section that starts at `t0`."""
     db = make_db(url)
     try:
         evts = await load_events(
@@ -239,7 +240,15 @@ async def _advice(url: str, t0: float, model: str, slo_ms=None):
         )
     finally:
         await db.dispose()
-    return advise(measure(evts, slo_ms=slo_ms), model_spec(model, None, None), SHM, 2, 12e9, "test: 12 GB")
+    return measure(evts, slo_ms=slo_ms)
+
+
+def _decide(ev, model: str):
+    return advise(ev, model_spec(model, None, None), SHM, 2, 12e9, "test: 12 GB")
+
+
+async def _advice(url: str, t0: float, model: str, slo_ms=None):
+    return _decide(await _evidence(url, t0, slo_ms), model)
 
 
 async def test_rag_on_a_colocated_pool_with_interference_is_stage_3(logged):
@@ -296,15 +305,7 @@ def _with_split_gain(ev, gain: float):
 @pytest.mark.parametrize(("gain", "stage", "status"), [(0.4, 1, "not yet"), (1.1, 3, "warranted")])
 async def test_a_simulated_split_decides_stage_3_with_the_checklist(logged, gain, stage, status):
     """The RAG log's checklist holds; the split simulated on its requests must also win ≥ 1.1× goodput."""
-    db = make_db(logged)
-    try:
-        evts = await load_events(
-            db, datetime.fromtimestamp(RAG - 1, UTC), datetime.fromtimestamp(RAG + 50, UTC)
-        )
-    finally:
-        await db.dispose()
-    ev = _with_split_gain(measure(evts), gain)
-    a = advise(ev, model_spec("smollm2", None, None), SHM, 2, 12e9, "test: 12 GB")
+    a = _decide(_with_split_gain(await _evidence(logged, RAG), gain), "smollm2")
     split = next(c for c in a.checks if c.question.startswith("Would a split of this fleet"))
     assert split.answer == ("yes" if gain >= 1.1 else "no")
     assert (

@@ -8,38 +8,9 @@ import pytest
 from pdserve.advise.evidence import RequestFacts
 from pdserve.advise.whatif import GAIN, log_requests, simulate_split
 from pdserve.hardware.links import link
-from pdserve.sim.cost import StepCost
-from pdserve.sim.model_shape import ModelShape
-from pdserve.sim.profile import HardwareProfile
+from tests.unit.test_sim import hw
 
-SHAPE = ModelShape(
-    name="m",
-    family="llama",
-    num_layers=4,
-    hidden_size=8,
-    num_heads=1,
-    head_dim=8,
-    body_params=0,
-    head_params=0,
-    embedding_params=0,
-    kv_bytes_per_token=1000,
-)
-# prefill step 10 ms + 1 ms/token; decode step 20 ms + 2 ms/sequence
-HW = HardwareProfile(
-    name="h",
-    accelerator="test",
-    dtype="fp32",
-    model=SHAPE,
-    kv_capacity_tokens=64000,
-    cost=StepCost(
-        prefill_fixed_s=0.010,
-        prefill_token_s=0.001,
-        prefill_pair_s=0.0,
-        decode_fixed_s=0.020,
-        decode_seq_s=0.002,
-        decode_ctx_s=0.0,
-    ),
-)
+HW = hw(kv_tokens=64000)  # prefill step 10 ms + 1 ms/token; decode step 20 ms + 2 ms/sequence
 SHAPE_LIMITS = {
     "max_num_seqs": 64,
     "max_num_batched_tokens": 512,
