@@ -326,8 +326,9 @@ def markdown(results: dict) -> str:
         co, di = w["modes"]["colocated"], w["modes"]["disaggregated"]
         dl = di["bench"]["latency_ms"]
         m = co["advice"]["measurements"]
-        decided = [c for c in co["advice"]["checks"] if c["stage"] == 3 and c["answer"] != "unknown"]
-        why = "; ".join(f"{c['question'].split('?')[0]}: {c['answer']} ({c['because']})" for c in decided[:4])
+        answered = [c for c in co["advice"]["checks"] if c["stage"] == 3 and c["answer"] != "unknown"]
+        decided = [c for c in answered if c["answer"] == "no"] or answered  # any "no" holds stage 3 back
+        why = "; ".join(f"{c['question'].split('?')[0]}: {c['answer']} ({c['because']})" for c in decided)
         judge_pools(w)
         g = lambda b: b["request_goodput"] or 0.0  # noqa: E731
         ratio = w["goodput_ratio_disagg_over_colocated"]

@@ -308,9 +308,8 @@ async def test_a_simulated_split_decides_stage_3_with_the_checklist(logged, gain
     a = _decide(_with_split_gain(await _evidence(logged, RAG), gain), "smollm2")
     split = next(c for c in a.checks if c.question.startswith("Would a split of this fleet"))
     assert split.answer == ("yes" if gain >= 1.1 else "no")
-    assert (
-        split.because
-        == f"1 prefill + 1 decode: {0.5 * gain:.3f} req/s against 0.500 for 2 unified ({gain:.2f}×)"
+    assert split.because == (
+        f"{0.5 * gain:.3f} req/s simulated for 1 prefill + 1 decode against 0.500 for 2 unified ({gain:.2f}×)"
     )
     assert (a.stage, a.stages[2].status) == (stage, status)
 

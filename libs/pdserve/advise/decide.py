@@ -326,7 +326,8 @@ def advise(
             3,
             split_question,
             "yes" if gain.value >= t.split_gain else "no",
-            f"{best.note}: {best.value:.3f} req/s against {co.value:.3f} for {co.note} ({gain.value:.2f}×)",
+            f"{best.value:.3f} req/s simulated for {best.note} against {co.value:.3f} for {co.note} "
+            f"({gain.value:.2f}×)",
             "split_goodput_colocated",
             "split_goodput_best",
             GAIN,

@@ -115,25 +115,17 @@ def simulate_split(
     g_best = splits[p_best]
     fitted = (
         f"control plane fitted to the log: {request_s * 1e3:.0f} ms before the engine (median TTFT − "
-        f"prefill_s), {token_s * 1e3:.1f} ms per emitted token (simulated TPOT p50 = the log's)"
+        f"prefill_s) and {token_s * 1e3:.1f} ms per emitted token (simulated TPOT p50 = the log's)"
     )
-    each = ", ".join(f"{p}P+{fleet - p}D {g:.3f}" for p, g in splits.items())
+    each = ", ".join(f"{p}P+{fleet - p}D {g:.3f} req/s" for p, g in splits.items())
     ratio = g_best / g_co if g_co > 0 else (float("inf") if g_best > 0 else 0.0)
+    best = f"{p_best} prefill + {fleet - p_best} decode over {link.name}"
     return {
         "split_goodput_colocated": measured(
-            "split_goodput_colocated", g_co, "req/s", src, len(reqs), f"{fleet} unified replicas; {fitted}"
+            "split_goodput_colocated", g_co, "req/s", src, len(reqs), f"{fleet} unified replicas ({fitted})"
         ),
-        "split_goodput_best": measured(
-            "split_goodput_best",
-            g_best,
-            "req/s",
-            src,
-            len(reqs),
-            f"{p_best} prefill + {fleet - p_best} decode over {link.name} (every split: {each})",
-        ),
-        GAIN: measured(
-            GAIN, ratio, "×", src, len(reqs), f"best split {p_best}P+{fleet - p_best}D ÷ colocated"
-        ),
+        "split_goodput_best": measured("split_goodput_best", g_best, "req/s", src, len(reqs), best),
+        GAIN: measured(GAIN, ratio, "×", src, len(reqs), f"best split ÷ colocated; every split: {each}"),
     }
 
 
