@@ -4,11 +4,11 @@ the measured engine), asked of the traffic the baseline actually served.
 
 The log's requests (arrival, prompt and completion tokens, prompt block hashes: `RequestFacts`) replay in
 `pdserve sim` with a hardware profile (the one `pdserve profile` measured here, or a published
-accelerator's) on the baseline's own shape — N unified replicas
-— with the control plane fitted to the log: the time before the engine (median TTFT − prefill_s of the
-log) and the time per emitted token (`sim/calibrate.py`, until the simulated TPOT p50 is the log's). The
-same fitted simulator then runs every split P + D = N (P, D ≥ 1) over the deployment's link. A split that
-needs more than N replicas is not the question: the seed compares pools of the same hardware.
+accelerator's) on the baseline's own shape, N unified replicas, with the control plane fitted to the log:
+the time before the engine (median TTFT − prefill_s of the log) and the time per emitted token
+(`sim/calibrate.py`, until the simulated TPOT p50 is the log's). The same fitted simulator then runs every
+split P + D = N (P, D ≥ 1) over the deployment's link. A split that needs more than N replicas is not the
+question: the seed compares pools of the same hardware.
 
 Each number is a `Measurement` whose source names the simulation, so the decision (`decide.py`) stays a
 pure function of the evidence.
