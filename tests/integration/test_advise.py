@@ -9,6 +9,7 @@ import json
 import random
 import time
 from datetime import UTC, datetime
+from pathlib import Path
 
 import pytest
 
@@ -37,6 +38,7 @@ from pdserve.store.tables import events
 
 T0 = time.time() + 40 * 86400  # windows no other test writes into
 RAG, CHAT, CAPACITY, AGENTIC = (T0 + 100 * k for k in range(4))
+ROOT = Path(__file__).resolve().parents[2]
 SHM = link("UCX shared memory (this machine)")
 PREFIX = list(range(1000, 1448))  # 448 tokens = 28 blocks of 16, shared by every agentic request
 
@@ -391,6 +393,30 @@ def test_cli_prints_the_advice_as_json(logged, capsys, tmp_path):
     out = json.loads(capsys.readouterr().out)
     assert out["stage"] == 3 and out["measurements"]["prompt_to_output_ratio"]["source"].startswith("Σ")
     assert (tmp_path / "a.png").stat().st_size > 10_000
+
+
+def test_cli_simulates_the_split_with_a_profile(logged, capsys):
+    """`--profile` (the SmolLM2 profile the docs' simulations use): the chat log's 4 requests replayed on
+    2 unified replicas and on 1 prefill + 1 decode, the check answered from the ratio."""
+    profile = ROOT / "docs" / "benchmarks" / "sim-profile.json"
+    since = datetime.fromtimestamp(CHAT - 1, UTC).isoformat()
+    until = datetime.fromtimestamp(CHAT + 50, UTC).isoformat()
+    args = ["advise", "--database-url", logged, "--since", since, "--until", until, "--model", "smollm2"]
+    assert cli.main([*args, "--profile", str(profile), "--json"]) == 0
+    out = json.loads(capsys.readouterr().out)
+    m = out["measurements"]
+    assert m[GAIN]["samples"] == 4 and m[GAIN]["note"].startswith(
+        "best split ÷ colocated; every split: 1P+1D"
+    )
+    assert m["split_goodput_best"]["note"] == "1 prefill + 1 decode over UCX shared memory (this machine)"
+    assert m["split_goodput_colocated"]["value"] > 0
+    assert "2 ms before the engine" in m["split_goodput_colocated"]["note"]  # route + reserve, not the queue
+    assert m[GAIN]["value"] == pytest.approx(
+        m["split_goodput_best"]["value"] / m["split_goodput_colocated"]["value"]
+    )
+    split = next(c for c in out["checks"] if c["question"].startswith("Would a split of this fleet"))
+    assert split["answer"] == ("yes" if m[GAIN]["value"] >= 1.1 else "no")
+    assert out["stages"][2]["status"] == ("warranted" if split["answer"] == "yes" else "not yet")
 
 
 def test_replicas_without_a_shared_prefix_do_not_warrant_stage_4():

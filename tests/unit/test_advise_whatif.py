@@ -55,7 +55,7 @@ def test_prefill_heavy_traffic_loses_goodput_when_one_replica_must_prefill_it_al
     assert m["split_goodput_colocated"].value > 0
     assert m[GAIN].value < 0.5
     assert "1 prefill + 1 decode" in m["split_goodput_best"].note
-    assert "100 ms before the engine" in m["split_goodput_colocated"].note  # median TTFT − prefill_s
+    assert "100 ms before the engine" in m["split_goodput_colocated"].note  # TTFT − queue − prefill
     assert "and 0.0 ms per emitted token" in m["split_goodput_colocated"].note  # the engine alone is slower
 
 

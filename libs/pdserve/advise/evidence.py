@@ -83,6 +83,7 @@ class RequestFacts:
     transfer_s: float | None = None
     exposed_transfer_s: float | None = None
     ttft_s: float | None = None
+    queue_s: float | None = None  # RequestCompleted.ttft.queue_s: waiting for a worker to admit it
     e2e_s: float | None = None
     deferrals: int = 0
     failed_reason: str | None = None
@@ -123,6 +124,7 @@ def fold(evts: Iterable[Event]) -> dict[str, RequestFacts]:
             r.prompt_tokens = r.prompt_tokens or int(p["prompt_tokens"])
             t = p["ttft"]
             r.ttft_s, r.exposed_transfer_s = float(t["ttft_s"]), float(t["exposed_transfer_s"])
+            r.queue_s = float(t["queue_s"])
             r.e2e_s = float(p["e2e_s"])
             if r.prefill_s is None:
                 r.prefill_s = float(t["prefill_s"])

@@ -5,7 +5,7 @@ the measured engine), asked of the traffic the baseline actually served.
 The log's requests (arrival, prompt and completion tokens, prompt block hashes: `RequestFacts`) replay in
 `pdserve sim` with a hardware profile (the one `pdserve profile` measured here, or a published
 accelerator's) on the baseline's own shape, N unified replicas, with the control plane fitted to the log:
-the time before the engine (median TTFT − prefill_s of the log) and the time per emitted token
+the time before the engine (median TTFT − queue_s − prefill_s of the log) and the time per emitted token
 (`sim/calibrate.py`, until the simulated TPOT p50 is the log's). The same fitted simulator then runs every
 split P + D = N (P, D ≥ 1) over the deployment's link. A split that needs more than N replicas is not the
 question: the seed compares pools of the same hardware.
@@ -84,7 +84,10 @@ def simulate_split(
         why = "no completed request to replay" if not reqs else f"a fleet of {fleet} cannot be split"
         return {n: missing(n, "req/s" if n != GAIN else "×", src, why) for n in NAMES}
     done = [r for r in facts if r.completion_tokens and r.ttft_s is not None]
-    request_s = max(0.0, statistics.median(r.ttft_s - (r.prefill_s or 0.0) for r in done))
+    # what the simulator does not queue itself: the log's TTFT less the admission queue and the prefill
+    request_s = max(
+        0.0, statistics.median(r.ttft_s - (r.queue_s or 0.0) - (r.prefill_s or 0.0) for r in done)
+    )
     base = Overheads(request_s=request_s)
     colocated_pools = _pools(hardware, shape, [(PoolRole.UNIFIED, fleet)])
 
@@ -115,7 +118,7 @@ def simulate_split(
     g_best = splits[p_best]
     fitted = (
         f"control plane fitted to the log: {request_s * 1e3:.0f} ms before the engine (median TTFT − "
-        f"prefill_s) and {token_s * 1e3:.1f} ms per emitted token (simulated TPOT p50 = the log's)"
+        f"queue_s − prefill_s) and {token_s * 1e3:.1f} ms per emitted token (simulated TPOT p50 = the log's)"
     )
     each = ", ".join(f"{p}P+{fleet - p}D {g:.3f} req/s" for p, g in splits.items())
     ratio = g_best / g_co if g_co > 0 else (float("inf") if g_best > 0 else 0.0)
