@@ -26,6 +26,10 @@ log = logging.getLogger(__name__)
 tracer = trace.get_tracer("pdserve.worker")
 
 _IDLE_RETRY_S = 0.005  # work queued but nothing schedulable (blocks held by reservations): poll gently
+# How long a finished sequence's DecodeFinished is offered to the coordinator: beyond a coordinator's
+# restart, whose start-up alone may wait JETSTREAM_READY_S (30 s, bus.py) for JetStream. It was 10 × 2.5 s,
+# and a CI run's coordinator, killed mid-decode, came back after it: the request never ended in the log.
+FINISHED_RETRY_S = 120.0
 
 
 class PrefillDone(NamedTuple):
@@ -207,17 +211,28 @@ class EngineLoop:
         self.bus.spawn(self._tell_coordinator(msg, stream.commits, self._commit(stream)))
 
     async def _tell_coordinator(self, msg: DecodeFinished, commits: list[asyncio.Task],
-                                last_commit: TokensCommitted | None, attempts: int = 10) -> None:
+                                last_commit: TokensCommitted | None,
+                                retry_s: float = FINISHED_RETRY_S) -> None:
+        """Every commit stored, then `msg` to the coordinator until one acknowledges it, backing off from
+        0.5 s to 5 s, for `retry_s` at most: the request's terminal event is the coordinator's to emit, so
+        a coordinator restarting meanwhile must still hear of it."""
         bus = self.bus
         await asyncio.gather(*commits)
         if last_commit is not None:
             await bus.emit_stored(msg.request_id, last_commit, self.worker_id)
-        for attempt in range(attempts):
+        deadline = time.monotonic() + retry_s
+        backoff, attempt = 0.5, 0
+        while True:
+            attempt += 1
             try:
                 await bus.request(bus.subjects.finished(msg.worker_id), msg, Ack, timeout_s=2.0)
                 return
             except (BusTimeout, RejectedError) as e:
-                log.warning(
-                    "DecodeFinished for %s not acknowledged (%s), attempt %d", msg.request_id, e, attempt + 1
-                )
-                await asyncio.sleep(0.5)
+                if time.monotonic() + backoff >= deadline:
+                    log.error("DecodeFinished for %s never acknowledged in %d attempts over %.0f s: %s",
+                              msg.request_id, attempt, retry_s, e)
+                    return
+                log.warning("DecodeFinished for %s not acknowledged (%s), attempt %d", msg.request_id, e,
+                            attempt)
+                await asyncio.sleep(backoff)
+                backoff = min(5.0, backoff * 2)
