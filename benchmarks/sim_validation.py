@@ -201,7 +201,7 @@ def simulated_probe_tpot_s(mode: str, profile: Profile, overheads: Overheads, p:
     arriving at t = 0 (the client sends `max_concurrency` ≥ `num_prompts` at once)."""
     samples = random_dataset(p["num_prompts"], p["input_len"], p["output_len"], 0.0, 0, PROBE_SEED)
     res = simulate(cluster(mode, profile, overheads), from_samples(samples, [0.0] * len(samples)))
-    return float(np.median(res.tpot_s[res.done & (res.output_len > 1)]))
+    return res.metrics().latency["tpot"].median_ms / 1e3
 
 
 def calibrate(mode: str, profile: Profile, probes: dict | None) -> tuple[Overheads, dict]:

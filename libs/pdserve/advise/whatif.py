@@ -20,8 +20,6 @@ import dataclasses
 import statistics
 from collections.abc import Iterable, Mapping, Sequence
 
-import numpy as np
-
 from pdserve.advise.evidence import Evidence, Measurement, RequestFacts, fold, measured, missing, tpot_s
 from pdserve.events import Event
 from pdserve.hardware.links import GB, Link
@@ -58,11 +56,6 @@ def _pools(
     return [PoolConfig(role=role, replicas=n, hardware=hardware, **shape) for role, n in roles]
 
 
-def _tpot_p50_s(res: SimResult) -> float:
-    tpot = res.tpot_s[res.done & (res.output_len > 1)]
-    return float(np.median(tpot)) if len(tpot) else 0.0
-
-
 def simulate_split(
     facts: Iterable[RequestFacts],
     hardware: HardwareProfile,
@@ -94,13 +87,12 @@ def simulate_split(
     def colocated(ov: Overheads) -> SimResult:
         return simulate(ClusterConfig(pools=colocated_pools, overheads=ov), reqs)
 
+    def tpot_p50_s(decode_token_s: float) -> float:
+        ov = base.model_copy(update={"decode_token_s": decode_token_s})
+        return colocated(ov).metrics().latency["tpot"].median_ms / 1e3
+
     tpots = [tpot_s(r) for r in done if (r.completion_tokens or 0) > 1]
-    token_s = 0.0
-    if tpots:
-        token_s = fit_decode_token_s(
-            lambda x: _tpot_p50_s(colocated(base.model_copy(update={"decode_token_s": x}))),
-            statistics.median(tpots),
-        )
+    token_s = fit_decode_token_s(tpot_p50_s, statistics.median(tpots)) if tpots else 0.0
     ov = base.model_copy(update={"decode_token_s": token_s})
     sim_link = LinkConfig(
         name=link.name, bandwidth_bytes_per_s=link.achievable_GB_s * GB, latency_s=link.latency_s
