@@ -208,3 +208,34 @@ def test_a_locally_prefilled_sequence_parks_then_decodes_once_admitted(model, to
         engine.step()
     assert seq.output_token_ids == expected(0, 33)
     assert engine.block_manager.num_free_blocks == 8
+
+
+def test_requests_reserved_added_and_freed_while_a_forward_runs_change_only_the_next_step(
+    model, tokens, expected
+):
+    """A worker makes engine calls beside `run_step` (the lock is released for the forward): a sequence
+    added mid-forward joins the next step, a reservation made mid-forward holds its blocks, and one freed
+    mid-forward keeps its blocks until `finish_step`, which skips it; in the end every block is free and
+    every survivor's tokens are greedy."""
+    engine = engine_of(model, num_blocks=12)
+    running, doomed = Sequence("r", tokens[:20], GREEDY), Sequence("x", tokens[30:50], GREEDY)
+    engine.add_request(running)
+    engine.add_request(doomed)
+    plan = engine.begin_step()
+    assert plan is not None and [s.request_id for s, _ in plan.batch] == ["r", "x"]
+    logits = engine.run_step(plan)  # "meanwhile", from the handlers' side:
+    late = Sequence("l", tokens[60:77], GREEDY)
+    engine.add_request(late)
+    reserved = Sequence("v", tokens[80:97])
+    engine.reserve(reserved, GREEDY.max_tokens)
+    free_before = engine.block_manager.num_free_blocks
+    engine.free(doomed)
+    assert engine.block_manager.num_free_blocks == free_before  # the forward still writes into them
+    outputs = engine.finish_step(plan, logits)
+    assert [o.seq.request_id for o in outputs] == ["r"]
+    assert engine.block_manager.num_free_blocks == free_before + 2
+    assert doomed.status.value == "finished" and not doomed.output_token_ids
+    engine.free(reserved)
+    run(engine, [])
+    assert running.output_token_ids == expected(0, 20) and late.output_token_ids == expected(60, 17)
+    assert engine.block_manager.num_free_blocks == 12

@@ -107,24 +107,24 @@ def test_chunked_prefill_splits_a_prompt_at_the_token_budget():
 
 
 def test_a_prefill_chunk_shares_the_step_with_decodes_under_the_budget():
-    # request 0 decodes from t=0.110; request 1 (512 tokens) arrives then: its first step holds 1 decode
-    # and 511 prefill tokens, its second 1 decode and 1 prefill token
-    r = simulate(colocated(max_num_batched_tokens=512), [SimRequest(0.0, 100, 10), SimRequest(0.110, 512, 2)])
+    # request 0 decodes in 22 ms steps from t=0.110; request 1 (512 tokens) arrives mid-step, at 0.120: its
+    # first step (from 0.132) holds 1 decode and 511 prefill tokens, its second 1 decode and 1 prefill token
+    r = simulate(colocated(max_num_batched_tokens=512), [SimRequest(0.0, 100, 10), SimRequest(0.120, 512, 2)])
     step1 = 0.020 + 0.002 + 511 * 0.001
     step2 = 0.020 + 0.002 + 1 * 0.001
-    assert r.first_token_s[1] == pytest.approx(0.110 + step1 + step2, **EXACT)
+    assert r.first_token_s[1] == pytest.approx(0.132 + step1 + step2, **EXACT)
 
 
-def test_a_colocated_request_waits_for_the_compute_lock_twice():
+def test_a_colocated_request_is_reserved_and_queued_mid_step_and_prefills_in_the_next():
     # request 0 decodes in 22 ms steps from t=0.020 (ends 0.042, 0.064, 0.086, ...). Request 1 comes at
-    # 0.050: its reservation takes the lock at 0.064, the step in flight's end; its prefill, sent after
-    # the reservation's reply, finds the next step running and gets the lock at 0.086; the step after
-    # holds its 10 tokens beside the decode. Its start, too, waits for the step running at its first token.
+    # 0.050: its reservation and its prefill are taken while the step computes, and the next step (0.064)
+    # holds its 10 tokens beside the decode. Its start arrives while the step after its first token runs,
+    # so it decodes from the one after that.
     r = simulate(colocated(), [SimRequest(0.0, 10, 100), SimRequest(0.050, 10, 2)])
-    assert r.admit_s[1] == pytest.approx(0.064, **EXACT)
-    assert r.prefill_start_s[1] == pytest.approx(0.086, **EXACT)
-    assert r.first_token_s[1] == pytest.approx(0.086 + 0.022 + 0.010, **EXACT)
-    assert r.finish_s[1] == pytest.approx(0.118 + 0.022 + 0.024, **EXACT)
+    assert r.admit_s[1] == pytest.approx(0.050, **EXACT)
+    assert r.prefill_start_s[1] == pytest.approx(0.064, **EXACT)
+    assert r.first_token_s[1] == pytest.approx(0.064 + 0.022 + 0.010, **EXACT)
+    assert r.finish_s[1] == pytest.approx(0.096 + 0.022 + 0.024, **EXACT)
 
 
 def test_decode_token_overhead_grows_each_step_with_its_batch():
@@ -135,14 +135,15 @@ def test_decode_token_overhead_grows_each_step_with_its_batch():
 
 
 def test_max_num_seqs_holds_the_second_prefill_until_the_first_finishes():
+    # request 0 decodes from 0.020; request 1 comes at 0.030, and its one slot is taken until 0.064
     r = simulate(
         colocated(max_num_seqs=1, max_num_batched_tokens=512),
-        [SimRequest(0.0, 10, 3), SimRequest(0.0, 10, 1)],
+        [SimRequest(0.0, 10, 3), SimRequest(0.030, 10, 1)],
     )
     first_done = 0.020 + 2 * 0.022
     assert r.finish_s[0] == pytest.approx(first_done, **EXACT)
     assert r.prefill_start_s[1] == pytest.approx(first_done, **EXACT)
-    assert r.ttft_s[1] == pytest.approx(first_done + 0.020, **EXACT)
+    assert r.first_token_s[1] == pytest.approx(first_done + 0.020, **EXACT)
 
 
 def test_decode_kv_backpressure_admits_the_second_request_when_the_first_releases():
@@ -291,16 +292,13 @@ def test_weighted_itl_distribution_is_the_expanded_one():
         assert got.p(q) == pytest.approx(want.p(q), rel=1e-12)
 
 
-def test_reserve_waits_for_the_decode_workers_step_in_flight():
+def test_reserve_is_taken_while_the_decode_workers_step_computes():
     # request 0 decodes on the decode replica from its join; request 1 arrives mid-step: its reservation
-    # (the decode worker's compute lock) is made when that step ends, and only then can it prefill
+    # is made at once (a worker takes commands during a forward), so its prefill starts on arrival
     cfg = disaggregated(layerwise=False)
     r = simulate(cfg, [SimRequest(0.0, 100, 50), SimRequest(0.25, 10, 2)])
-    join = 0.110 + 0.101  # prefill, then the naive transfer
-    steps_before = int((0.25 - join) // 0.022) + 1  # decode steps of 0.022 s; the one in flight at 0.25 ends:
-    lock_free = join + steps_before * 0.022
-    assert r.admit_s[1] == pytest.approx(lock_free, **EXACT)
-    assert r.first_token_s[1] == pytest.approx(lock_free + 0.010 + 10 * 0.001, **EXACT)
+    assert r.admit_s[1] == pytest.approx(0.25, **EXACT)
+    assert r.first_token_s[1] == pytest.approx(0.25 + 0.010 + 10 * 0.001, **EXACT)
 
 
 def test_decode_token_fit_finds_where_the_simulated_tpot_meets_the_measured():
@@ -313,8 +311,9 @@ def test_decode_token_fit_finds_where_the_simulated_tpot_meets_the_measured():
 
 
 def test_fitted_decode_token_time_reproduces_a_batchs_tpot():
-    """Four sequences decoding together: each step 20 + 4 × 2 ms of engine + 4 × the per-token time."""
-    reqs = [SimRequest(0.0, 10, 50)] * 4
+    """Four sequences decoding together (they arrive during a one-token request's step, so they prefill in
+    one step): each step 20 + 4 × 2 ms of engine + 4 × the per-token time."""
+    reqs = [SimRequest(0.0, 1, 1)] + [SimRequest(0.001, 10, 50)] * 4
 
     def tpot(x: float) -> float:
         cfg = colocated().model_copy(update={"overheads": Overheads(decode_token_s=x)})

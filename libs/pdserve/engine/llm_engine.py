@@ -35,7 +35,7 @@ from pdserve.engine.outputs import FinishReason, TokenLogprobs
 from pdserve.engine.sampling_params import SamplingParams
 from pdserve.engine.scheduler import CannotFit, ScheduledSeq, Scheduler, SchedulerConfig
 from pdserve.engine.sequence import Sequence, SequenceStatus
-from pdserve.engine.state_pool import NoFreeStateSlots, SequenceState, StatePool
+from pdserve.engine.state_pool import CheckpointSave, NoFreeStateSlots, SequenceState, StatePool
 from pdserve.kernels.kv_pack import pack_kv, token_slots
 
 __all__ = [
@@ -92,9 +92,20 @@ class EngineStats:
     num_preemptions: int = 0
 
 
+class StepPlan(NamedTuple):
+    """One step between `begin_step` and `finish_step`: the scheduled batch (sequence, new tokens), the
+    KV sends of sequences streaming their prompt's KV (sequence, first position, slots), and a hybrid's
+    state checkpoints to save (None without state)."""
+
+    batch: list[ScheduledSeq]
+    sends: list[tuple[Sequence, int, torch.Tensor]]
+    checkpoints: list[tuple[CheckpointSave, ...]] | None
+
+
 class LLMEngine:
     """Continuous batching over one model and one paged KV cache. Not thread-safe: one caller at a time
-    (a worker serializes calls with its compute lock and runs `step` in a thread).
+    (a worker serializes calls with its compute lock), except that `run_step`, the forward, may run in
+    another thread beside the other calls (its docstring says why that is safe).
 
     `stop_token_ids`: the model's EOS/stop tokens (a sequence with `ignore_eos` runs past them).
     `tiers`: KV tiers below the pool, in lookup order (`kv_tiers.tier.KVTier`); for a model with recurrent
@@ -134,6 +145,8 @@ class LLMEngine:
         )
         self.stop_token_ids = set(stop_token_ids)
         self.stats = EngineStats()
+        self._in_flight: set[int] = set()  # id() of the sequences of the step between begin and finish
+        self._freed_in_flight: list[Sequence] = []
 
     # ------------------------------------------------------------ entry points
 
@@ -188,9 +201,15 @@ class LLMEngine:
         return reason
 
     def free(self, seq: Sequence) -> None:
-        """Drop `seq` wherever it is and free its blocks and state slot (finish or abort); idempotent."""
+        """Drop `seq` wherever it is and free its blocks and state slot (finish or abort); idempotent. A
+        sequence of the step in flight (between `begin_step` and `finish_step`) keeps its blocks and slot
+        until that step's `finish_step`, which skips it: its forward is still writing into them."""
         self.scheduler.remove(seq)
-        self.scheduler.release(seq)
+        if id(seq) in self._in_flight:
+            if seq.status is not SequenceStatus.FINISHED:
+                self._freed_in_flight.append(seq)
+        else:
+            self.scheduler.release(seq)
         seq.status = SequenceStatus.FINISHED
 
     @property
@@ -212,40 +231,63 @@ class LLMEngine:
 
     def step(self) -> list[StepOutput]:
         """Schedule, run one forward, sample every sequence whose new tokens reach its end. Empty when
-        nothing could be scheduled."""
+        nothing could be scheduled. `begin_step`, `run_step` and `finish_step` in one call."""
+        plan = self.begin_step()
+        return [] if plan is None else self.finish_step(plan, self.run_step(plan))
+
+    def begin_step(self) -> StepPlan | None:
+        """Schedule the next step (None: nothing could be scheduled). Until its `finish_step`, the batch's
+        sequences are in flight: `free` of one of them waits for that `finish_step`."""
         out = self.scheduler.schedule()
         self.stats.num_preemptions += len(out.preempted)
         batch = out.scheduled
         self.scheduler.write_down_evicted()  # growing running sequences may have evicted blocks
         if not batch:
-            return []
-        sends = self._planned_sends(batch)
-        hook = None
-        if sends:
-
-            def hook(layer: int, kv_layer: torch.Tensor) -> None:
-                for seq, start, slots in sends:
-                    assert seq.kv_sink is not None
-                    seq.kv_sink(layer, start, pack_kv(kv_layer, slots))
-
+            return None
         checkpoints = None
         if self.state_pool is not None:
             checkpoints = self.state_pool.plan_checkpoints(batch, self.block_manager.chain_hashes)
+        self._in_flight = {id(seq) for seq, _ in batch}
+        return StepPlan(batch, self._planned_sends(batch), checkpoints)
+
+    def run_step(self, plan: StepPlan) -> torch.Tensor:
+        """The forward of a planned step: the logits of each sequence's last new token, [len(batch),
+        vocab_size] fp32. It reads only the plan's sequences (their block tables and positions) and writes
+        only their KV blocks and state slots, so the other entry points (`add_request`, `reserve`,
+        `admit`, `free`, ...) may be called beside it from another thread, one at a time: a worker takes
+        new requests and reservations while a step computes instead of after it."""
+        hook = None
+        if plan.sends:
+
+            def hook(layer: int, kv_layer: torch.Tensor) -> None:
+                for seq, start, slots in plan.sends:
+                    assert seq.kv_sink is not None
+                    seq.kv_sink(layer, start, pack_kv(kv_layer, slots))
+
         try:
-            logits = self.runner.execute(batch, hook, checkpoints)
+            return self.runner.execute(plan.batch, hook, plan.checkpoints)
         except BaseException:
-            if checkpoints is not None:
-                self.state_pool.cancel_checkpoints(checkpoints)
+            if plan.checkpoints is not None:
+                self.state_pool.cancel_checkpoints(plan.checkpoints)
+            self._land()
             raise
-        if checkpoints is not None:
-            self.state_pool.commit_checkpoints(checkpoints)
-        for seq, start, slots in sends:
+
+    def finish_step(self, plan: StepPlan, logits: torch.Tensor) -> list[StepOutput]:
+        """Advance, sample and append for every sequence of `plan` (`logits` from its `run_step`); a
+        sequence freed while it was in flight is skipped, and freed now."""
+        freed = self._land()
+        skipped = {id(seq) for seq in freed}
+        if plan.checkpoints is not None:
+            self.state_pool.commit_checkpoints(plan.checkpoints)
+        for seq, start, slots in plan.sends:
             seq.num_sent_tokens = start + len(slots)
             seq.num_chunks_sent += 1
         self.stats.num_steps += 1
         results: list[StepOutput] = []
         greedy = logits.argmax(-1).tolist()  # one argmax for the batch; sampled rows draw their own
-        for (seq, n), row, argmax in zip(batch, logits, greedy, strict=True):
+        for (seq, n), row, argmax in zip(plan.batch, logits, greedy, strict=True):
+            if id(seq) in skipped:
+                continue
             start = seq.num_computed_tokens
             in_prompt = max(0, min(start + n, seq.num_prompt_tokens) - start)
             self.stats.num_prompt_tokens_computed += in_prompt
@@ -271,7 +313,16 @@ class LLMEngine:
             reason = self._append(seq, token)
             appended = () if reason is FinishReason.STOP else (token,)
             results.append(StepOutput(seq, token, appended, reason, logprobs=logprobs))
+        for seq in freed:
+            self.scheduler.release(seq)
         return results
+
+    def _land(self) -> list[Sequence]:
+        """End the step in flight: nothing is in flight any more; returns the sequences `free`d meanwhile,
+        whose blocks and slot are still held (the forward was writing into them)."""
+        freed, self._freed_in_flight = self._freed_in_flight, []
+        self._in_flight = set()
+        return freed
 
     @staticmethod
     def _tier_checkpoints(pool: StatePool, tiers: KVTierSet) -> None:

@@ -5,8 +5,9 @@ of every pool stepping as pdserve's engine steps, and the request's path as pdse
 Per request: it reaches the coordinator `overheads.request_s` after it is sent; admission reserves decode KV
 for prompt + output on the decode (or unified) replica with the most free blocks (`routing/router.py`: the
 fewest booked decode blocks) and, while none has room, the request waits first come first served
-(backpressure: `AdmissionDeferred`), and the reservation itself waits for the decode replica's step in
-flight (`reserve` takes the worker's compute lock, `workers/engine_loop.py`); the prefill replica is chosen
+(backpressure: `AdmissionDeferred`); a reservation, like every command a worker gets, is taken while its
+step in flight computes (`workers/engine_loop.py` holds the compute lock only around the step's schedule
+and sampling), and takes effect at the next step; the prefill replica is chosen
 by the router's own policy (`routing/policy.py`, `make_policy`) over candidates built from the simulated
 replicas — their prefix caches looked up exactly, their queued prefill blocks, their active requests. The
 prefill replica's engine schedules it (`engine/scheduler.py`'s rules: a token budget per step, decodes
@@ -45,8 +46,6 @@ from pdserve.sim.results import SimResult
 from pdserve.sim.workload import SimRequest
 
 _ARRIVE, _STEP, _JOIN = 0, 1, 2
-# Commands that take a worker's compute lock (`workers/engine_loop.py`), queued on a busy replica.
-_RESERVE, _PREFILL, _START = 0, 1, 2
 # Over this many replicas the policy sees a shortlist: the SHORTLIST with the fewest queued prefill blocks
 # and every replica holding the prompt's first block (a router does the same to bound its decision time).
 SHORTLIST = 8
@@ -178,25 +177,8 @@ def simulate(
             rep.active += 1
             if drep is not rep:
                 drep.active += 1
-            if drep.busy:  # reserve takes the decode worker's compute lock: after its step in flight
-                drep.locked.append((_RESERVE, i))
-            else:
-                command(drep, _RESERVE, i, now, False)
-
-    def command(rep: Replica, op: int, i: int, now: float, stepping: bool) -> None:
-        """A command that held `rep`'s compute lock runs. `stepping`: it got the lock between two steps of
-        a loop that has more work, so the command the coordinator sends after it (a colocated request's
-        local prefill after its reservation) arrives while the next step runs and waits for that one."""
-        if op == _RESERVE:
             t_admit[i] = now
-            if colocated and stepping:
-                rep.locked.append((_PREFILL, i))
-            else:
-                dispatch(i, now)
-        elif op == _PREFILL:
             dispatch(i, now)
-        else:  # _START of a colocated request: its first token streamed, it joins the decode batch
-            rep.pending.append(i)
 
     def dispatch(i: int, now: float) -> None:
         """The reservation is made: the prompt joins its prefill (or unified) replica's queue."""
@@ -273,8 +255,8 @@ def simulate(
             t_first[i] = now + ov.first_token_s
             if olen[i] == 1:
                 finish(i, now)
-            else:  # the coordinator's start arrives as the next step runs (`start_step` may undo that)
-                rep.locked.append((_START, i))
+            else:  # the coordinator's start arrives as the next step runs: it joins the one after
+                rep.starting.append(i)
             return
         nbytes = plen[i] * kv_bpt + state_b
         assert link is not None
@@ -308,7 +290,7 @@ def simulate(
         if kind == _STEP:
             rep = item  # type: ignore[assignment]
             chunks, joined, n_dec, dur = rep.plan
-            waiters, rep.locked = rep.locked, []  # what queued on the lock during this step
+            starting, rep.starting = rep.starting, []  # started while this step ran
             rep.step_no += 1
             rep.step_ends.append(now)
             if n_dec:
@@ -329,15 +311,12 @@ def simulate(
                 if entry[1] >= plen[entry[0]]:
                     rep.prefilling.remove(entry)
                     prefill_done(rep, entry[0], now)
-            for op, i in waiters:
-                command(rep, op, i, now, True)
+            rep.pending.extend(starting)
             start_step(rep, now)
-            if not rep.busy and rep.locked:  # nothing to step: what came after finds the lock free
-                waiters, rep.locked = rep.locked, []
-                for op, i in waiters:
-                    command(rep, op, i, now, False)
-                if not rep.busy:
-                    start_step(rep, now)
+            if not rep.busy and rep.starting:  # nothing to step: the start arrives to an idle engine
+                rep.pending.extend(rep.starting)
+                rep.starting = []
+                start_step(rep, now)
         elif kind == _ARRIVE:
             admission.append(item)  # type: ignore[arg-type]
             pump(now)

@@ -35,12 +35,12 @@ class Replica:
         "steps",
         "step_ends",
         "index",
-        "locked",
+        "starting",
     )
 
     def __init__(self, index: int, name: str, pool: PoolConfig, prefix_caching: bool) -> None:
         self.index = index
-        self.locked: list[tuple[int, int]] = []  # (command, request) waiting for the compute lock
+        self.starting: list[int] = []  # colocated: started (first token out) during the step in flight
         self.name, self.role, self.pool, self.cost = name, pool.role, pool, pool.hardware.cost
         caches = prefix_caching and pool.role is not PoolRole.DECODE
         self.cache = PrefixCacheModel(name, pool.capacity_blocks) if caches else None

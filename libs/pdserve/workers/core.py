@@ -2,9 +2,10 @@
 in front of it, the engine loop, the reserved KV, the sequences prefilling for a decode worker, the KV
 cache events, and freeing what a request holds.
 
-The engine runs in a worker thread (one torch thread per worker), one step at a time under `compute`;
-every engine call from a handler takes the same lock, so the event loop keeps serving NATS and moving KV
-while a step runs and the engine is never used from two threads at once.
+The engine runs in a worker thread (one torch thread per worker), one step at a time; every engine call
+from a handler takes `compute`, which a step holds while it schedules and samples but not during its
+forward (`LLMEngine.run_step`), so the event loop keeps serving NATS and moving KV while a step runs, and a
+reserve or a new request is taken mid-step instead of after it.
 """
 
 from __future__ import annotations

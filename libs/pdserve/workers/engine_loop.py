@@ -55,9 +55,9 @@ class DecodeStream:
 
 class EngineLoop:
     """The loop of one worker's engine. `compute` is the worker's engine lock (every engine call, here and
-    in the command handlers, holds it); `after_step` runs after every step, outside the lock (the worker
-    flushes its KV cache events); `commit_every_tokens` is how many streamed tokens a `TokensCommitted`
-    may lag behind."""
+    in the command handlers, holds it, except the step's forward); `after_step` runs after every step,
+    outside the lock (the worker flushes its KV cache events); `commit_every_tokens` is how many streamed
+    tokens a `TokensCommitted` may lag behind."""
 
     def __init__(self, engine: LLMEngine, compute: asyncio.Lock, bus: Bus, worker_id: str, *,
                  commit_every_tokens: int, after_step: Callable[[], Awaitable[None]]) -> None:
@@ -94,18 +94,26 @@ class EngineLoop:
             )
 
     async def run(self) -> None:
-        """Forever: one engine step (in a thread, under the worker's compute lock), then its outputs."""
+        """Forever: one engine step, then its outputs. The step's schedule and its sampling run in a thread
+        under the worker's compute lock, its forward in a thread without it (`LLMEngine.run_step`)."""
         while True:
             if not self.engine.has_work:
                 self._wakeup.clear()
                 await self._wakeup.wait()
                 continue
             async with self.compute:
-                outputs = await asyncio.to_thread(self.engine.step)
+                plan = await asyncio.to_thread(self.engine.begin_step)
+            outputs = []
+            if plan is not None:
+                # The forward runs without the lock: a reserve, a new prefill or an admission that comes
+                # meanwhile is taken now, and joins the next step, instead of waiting for this one to end.
+                logits = await asyncio.to_thread(self.engine.run_step, plan)
+                async with self.compute:
+                    outputs = await asyncio.to_thread(self.engine.finish_step, plan, logits)
             await self.after_step()
             for out in outputs:
                 await self._dispatch(out)
-            if not outputs:
+            if plan is None:
                 await asyncio.sleep(_IDLE_RETRY_S)
 
     async def admit(
