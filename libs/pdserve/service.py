@@ -2,10 +2,11 @@
 
 Every `services/<name>/__main__.py` is `run_service(name, settings, setup)`. `setup(bus)` starts the
 service's work and returns what ends it:
-- an async cleanup, for a service of handlers (router, coordinator, workers): the process then waits for
+- an async cleanup, for a service of handlers (router, coordinator): the process then waits for
   SIGTERM/SIGINT, runs the cleanup, closes the bus;
 - a `MainTask`, for a service whose work is one task (the gateway's HTTP server, the recorder's fetch
-  loop): the process runs it until it returns (it must return once signalled), then cleans up the same way.
+  loop) or has a task it cannot live without (a worker's engine loop: `until_stopped`): the process runs
+  it until it returns (it must return once signalled), then cleans up the same way.
 If setup or the main task fails, the failure is logged and the process exits 1, so the supervisor
 restarts it.
 """
@@ -47,6 +48,21 @@ class MainTask:
 
 
 Setup = Callable[[Bus], Awaitable[Cleanup | MainTask]]
+
+
+async def until_stopped(stop: asyncio.Event, *vital: asyncio.Task) -> None:
+    """Wait for `stop`; but should one of the `vital` tasks (work the process cannot serve without, such
+    as a worker's engine loop) end first, raise its exception (RuntimeError if it returned), so the
+    process exits 1 and is restarted instead of answering heartbeats with nothing behind them."""
+    stopped = asyncio.ensure_future(stop.wait())
+    try:
+        done, _ = await asyncio.wait({stopped, *vital}, return_when=asyncio.FIRST_COMPLETED)
+    finally:
+        stopped.cancel()
+    for task in vital:
+        if task in done:
+            task.result()
+            raise RuntimeError(f"{task.get_name()} ended")
 
 
 async def serve_until_signalled(name: str, settings: CommonSettings, setup: Setup, *,

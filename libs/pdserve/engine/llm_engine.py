@@ -269,7 +269,8 @@ class LLMEngine:
         except BaseException:
             if plan.checkpoints is not None:
                 self.state_pool.cancel_checkpoints(plan.checkpoints)
-            self._land()
+            for seq in self._land():  # the step is over: nothing computed, nothing writes any more
+                self.scheduler.release(seq)
             raise
 
     def finish_step(self, plan: StepPlan, logits: torch.Tensor) -> list[StepOutput]:

@@ -14,7 +14,7 @@ from pdserve.config import WorkerSettings
 from pdserve.engine.host_memory import retain_freed_memory
 from pdserve.engine.loader import load_model
 from pdserve.messages import KVTransportKind, Role
-from pdserve.service import run_service
+from pdserve.service import MainTask, run_service, until_stopped
 from pdserve.telemetry import metrics
 from pdserve.transfer import KVTransport, make_transport
 from pdserve.workers.worker import Worker
@@ -45,7 +45,9 @@ def run_worker(default_role: Role,
         metrics.init_worker_series(settings.worker_id, receives_kv=settings.role is not Role.PREFILL,
                                    tiers=tuple(worker.core.tier_names))
         await worker.serve()
-        tasks = [bus.spawn(worker.heartbeats.run()), bus.spawn(worker.core.loop.run())]
+        engine = bus.spawn(worker.core.loop.run())
+        engine.set_name(f"{settings.worker_id} engine loop")
+        tasks = [bus.spawn(worker.heartbeats.run()), engine]
         log.info("%s serving %s as %s", settings.worker_id, loaded.name, settings.role)
 
         async def cleanup() -> None:
@@ -55,6 +57,6 @@ def run_worker(default_role: Role,
             if transport is not None:
                 await transport.stop()
 
-        return cleanup
+        return MainTask(lambda stop: until_stopped(stop, engine), cleanup)
 
     run_service(settings.worker_id, settings, setup)
