@@ -572,7 +572,7 @@ def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--ratios", nargs="+", default=["10:1", "1:1", "1:20"])
     ap.add_argument("--rates", type=float, nargs="+", default=[0.5, 1.0, 2.0])
-    ap.add_argument("--num-prompts", type=int, default=12)
+    ap.add_argument("--num-prompts", type=int, default=20)
     ap.add_argument("--tokens-per-request", type=int, default=132)
     ap.add_argument("--port", type=int, help="gateway port of the stacks (default: a free one)")
     # Under `bench compare`'s default (2 s / 200 ms) both modes meet the SLO in every cell on a quiet
