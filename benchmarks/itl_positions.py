@@ -32,6 +32,7 @@ import numpy as np
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
+from benchmarks.outputs import write_outputs  # noqa: E402
 from pdserve.bench.compare import CompareConfig, StackRun, code_commit, warm_up  # noqa: E402
 from pdserve.bench.datasets import random_dataset  # noqa: E402
 from pdserve.bench.pinning import pin_pools  # noqa: E402
@@ -138,11 +139,7 @@ def main() -> None:
     ap.add_argument("--from-json", type=Path, help="re-render a saved run")
     args = ap.parse_args()
     r = json.loads(args.from_json.read_text()) if args.from_json else measure(args)
-    args.out.mkdir(parents=True, exist_ok=True)
-    (args.out / f"{STEM}.json").write_text(json.dumps(r, indent=2))
-    (args.out / f"{STEM}.md").write_text(markdown(r))
-    plot(r, args.out / f"{STEM}.png")
-    print(markdown(r))
+    print(write_outputs(args.out, STEM, r, markdown, plot))
 
 
 if __name__ == "__main__":

@@ -36,12 +36,13 @@ import numpy as np
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
+from benchmarks.outputs import write_outputs  # noqa: E402
 from benchmarks.pinned_profile import profile_here  # noqa: E402
 from pdserve.bench.arrivals import arrival_times  # noqa: E402
 from pdserve.bench.compare import CompareConfig, code_commit, run_compare, split_tokens
 from pdserve.bench.compare_report import WIN_MARGIN_REQUESTS
 from pdserve.bench.datasets import random_dataset
-from pdserve.sim.calibrate import fit_decode_token_s
+from pdserve.sim.calibrate import fit_decode_token_s, fit_prefill_interference
 from pdserve.sim.cluster import simulate
 from pdserve.sim.config import ClusterConfig, LinkConfig, Overheads, PoolConfig, PoolRole
 from pdserve.sim.profile import Profile
@@ -124,6 +125,40 @@ PROBE_SEED = 1000
 # The concurrent probe: decode-heavy requests all sent at once, so each worker's decode batch holds several
 # sequences for ~100 steps; its TPOT is what the serving loop costs per emitted token under a batch.
 CONCURRENT_PROBE = {"ratio": "1:20", "num_prompts": 8, "max_concurrency": 8}
+# The interference probe: one decode-heavy stream, and prefill-heavy requests (Poisson) beside it from 1 s
+# on; the stream's TPOT is its decode steps slowed by the prefills (benchmarks/itl_positions.py).
+INTERFERENCE_PROBE = {"stream": (6, 126), "prefills": 8, "prefill": (120, 1), "rate": 2.0, "delay_s": 1.0}
+
+
+def interference_requests() -> tuple[list, list, list[float]]:
+    """The interference probe's stream (1 sample), its prefills (samples) and their arrival times (s, from
+    the stream's send): other prompts than the sweep's and the other probes' (seeds 1001, 1002)."""
+    ip = INTERFERENCE_PROBE
+    stream = random_dataset(1, *ip["stream"], 0.0, 0, PROBE_SEED + 1)
+    fills = random_dataset(ip["prefills"], *ip["prefill"], 0.0, 0, PROBE_SEED + 2)
+    times = arrival_times(len(fills), ip["rate"], 1.0, np.random.default_rng(PROBE_SEED))
+    return stream, fills, [ip["delay_s"] + float(t) for t in times]
+
+
+def _interference_probe(base_url: str) -> dict:
+    import asyncio
+
+    from pdserve.bench.runner import LoadSpec, run_load
+
+    stream, fills, _ = interference_requests()
+    ip = INTERFERENCE_PROBE
+
+    async def both():
+        async def beside():
+            await asyncio.sleep(ip["delay_s"])
+            return await run_load(base_url, fills, LoadSpec(request_rate=ip["rate"], seed=PROBE_SEED),
+                                  progress=False)
+
+        return await asyncio.gather(run_load(base_url, stream, LoadSpec(), progress=False), beside())
+
+    streamed, _ = asyncio.run(both())
+    (rec,) = streamed.records
+    return {**ip, "tpot_ms": rec.tpot_s * 1e3, "success": rec.success}
 
 
 def _serve_probe(base_url: str, ratio: str, cfg: dict, num_prompts: int, max_concurrency: int) -> dict:
@@ -158,8 +193,10 @@ def _serve_probe(base_url: str, ratio: str, cfg: dict, num_prompts: int, max_con
 def probe(mode: str, base_url: str, cfg: dict) -> dict:
     """Calibration requests on the stack before its sweep, other prompts than the sweep's (seed 1000), never
     a cell of the grid: `sequential`, each ratio's lengths one at a time (the stack's TTFT and TPOT with
-    nothing else running: the control plane's time before the first token), and `concurrent`,
-    `CONCURRENT_PROBE`'s prompts all at once (its TPOT: the serving loop's time per emitted token)."""
+    nothing else running: the control plane's time before the first token), `concurrent`,
+    `CONCURRENT_PROBE`'s prompts all at once (its TPOT: the serving loop's time per emitted token), and
+    `interference`, `INTERFERENCE_PROBE`'s stream with prefills beside it (its TPOT: how much a decode step
+    slows beside a prefill)."""
     out: dict = {"sequential": {}}
     for ratio in cfg["ratios"]:
         out["sequential"][ratio] = _serve_probe(base_url, ratio, cfg, PROBE_PROMPTS, 1)
@@ -167,6 +204,8 @@ def probe(mode: str, base_url: str, cfg: dict) -> dict:
     cp = CONCURRENT_PROBE
     out["concurrent"] = _serve_probe(base_url, cp["ratio"], cfg, cp["num_prompts"], cp["max_concurrency"])
     print(f"  probe {mode} concurrent: {out['concurrent']}", flush=True)
+    out["interference"] = _interference_probe(base_url)
+    print(f"  probe {mode} interference: {out['interference']}", flush=True)
     return out
 
 
@@ -204,11 +243,19 @@ def simulated_probe_tpot_s(mode: str, profile: Profile, overheads: Overheads, p:
     return res.metrics().latency["tpot"].median_ms / 1e3
 
 
+def simulated_interference_tpot_s(mode: str, profile: Profile, overheads: Overheads) -> float:
+    """TPOT (s) of the interference probe's stream simulated on `mode`'s cluster, its prefills beside it."""
+    stream, fills, times = interference_requests()
+    reqs = from_samples(stream, [0.0]) + from_samples(fills, times)
+    return float(simulate(cluster(mode, profile, overheads), reqs).tpot_s[0])
+
+
 def calibrate(mode: str, profile: Profile, probes: dict | None) -> tuple[Overheads, dict]:
     """The control plane's time around the engine, from the probes (without probes: the documented
     constants). `request_s`: the sequential probes' client TTFT above the engine's prefill (median over
     ratios). `decode_token_s`: fitted (`sim/calibrate.py`) so the simulated concurrent probe's TPOT p50 is
-    the measured one."""
+    the measured one. `prefill_interference` (when the run has the interference probe): then fitted so the
+    simulated interference probe's stream has its measured TPOT."""
     if not probes:
         return OVERHEADS, {}
     c = profile.cost
@@ -225,12 +272,24 @@ def calibrate(mode: str, profile: Profile, probes: dict | None) -> tuple[Overhea
     decode_token_s = fit_decode_token_s(tpot_at, target_s)
     ov = ov.model_copy(update={"decode_token_s": decode_token_s})
     engine_tpot = tpot_at(0.0)
-    return ov, {
+    fitted = {
         "request_s": request_s,
         "ttft_above_engine_s": ttft_extra,
         "decode_token_s": decode_token_s,
         "concurrent_probe_tpot_s": {"measured": target_s, "simulated_engine_only": engine_tpot},
     }
+    ip = probes.get("interference")
+    if ip and ip.get("success"):
+        def stream_tpot_at(x: float) -> float:
+            with_x = ov.model_copy(update={"prefill_interference": x})
+            return simulated_interference_tpot_s(mode, profile, with_x)
+
+        alpha = fit_prefill_interference(stream_tpot_at, ip["tpot_ms"] / 1e3)
+        ov = ov.model_copy(update={"prefill_interference": alpha})
+        fitted["prefill_interference"] = alpha
+        fitted["interference_probe_tpot_s"] = {"measured": ip["tpot_ms"] / 1e3,
+                                               "simulated_without": stream_tpot_at(0.0)}
+    return ov, fitted
 
 
 def measure(args: argparse.Namespace, work: Path) -> dict:
@@ -410,6 +469,15 @@ def compare_variant(results: dict, variant: str) -> dict:
     }
 
 
+def interference_text(c: dict) -> str:
+    if "prefill_interference" not in c:
+        return ""
+    t = c["interference_probe_tpot_s"]
+    return (f", a step {c['prefill_interference']:.0%} longer beside a prefill from the interference probe "
+            f"(its stream's TPOT {t['measured'] * 1e3:.1f} ms measured, "
+            f"{t['simulated_without'] * 1e3:.1f} ms simulated without it)")
+
+
 def calibration_text(r: dict) -> str:
     parts = []
     for mode, c in r.get("calibration", {}).items():
@@ -423,6 +491,7 @@ def calibration_text(r: dict) -> str:
             f"from the sequential probes, {c['decode_token_s'] * 1e3:.1f} ms per emitted token from the "
             f"concurrent probe (TPOT p50 {c['concurrent_probe_tpot_s']['measured'] * 1e3:.1f} ms measured, "
             f"{c['concurrent_probe_tpot_s']['simulated_engine_only'] * 1e3:.1f} ms simulated without it)"
+            + interference_text(c)
             if c
             else f"{mode}: no probes, documented constants"
         )
@@ -597,12 +666,7 @@ def main() -> None:
         args.port = free_port()
     raw = json.loads(args.render.read_text()) if args.render else measure(args, args.work)
     raw["notes"] = list(dict.fromkeys([*raw.get("notes", []), *args.note]))
-    result = compare(raw)
-    args.out.mkdir(parents=True, exist_ok=True)
-    (args.out / f"{STEM}.json").write_text(json.dumps(result, indent=2))
-    (args.out / f"{STEM}.md").write_text(markdown(result))
-    plot(result, args.out / f"{STEM}.png")
-    print(markdown(result))
+    print(write_outputs(args.out, STEM, compare(raw), markdown, plot))
 
 
 if __name__ == "__main__":

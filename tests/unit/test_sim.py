@@ -321,3 +321,21 @@ def test_fitted_decode_token_time_reproduces_a_batchs_tpot():
 
     x = fit_decode_token_s(tpot, 0.040)
     assert x == pytest.approx(0.003, abs=1e-4) and tpot(x) == pytest.approx(0.040, abs=4e-4)
+
+
+def test_a_decode_step_that_starts_beside_a_prefill_step_is_slowed_by_the_interference():
+    # request 0 decodes on the decode replica from its join (naive transfer: 0.110 + 0.101); request 1's
+    # 200-token prefill (0.010 + 0.200 s, one output token) runs from 0.5 on the prefill replica: a decode
+    # step that starts within it takes 1.5 x 22 ms, the others 22 ms
+    cfg = disaggregated(layerwise=False)
+    cfg = cfg.model_copy(update={"overheads": Overheads(prefill_interference=0.5)})
+    r = simulate(cfg, [SimRequest(0.0, 100, 60), SimRequest(0.5, 200, 1)])
+    ends = r.step_ends_s["decode-0"]
+    gaps = np.diff(ends)
+    starts = ends[:-1]
+    beside = (starts >= 0.5) & (starts < 0.5 + 0.210)
+    assert beside.any() and (~beside).any()
+    assert gaps[beside] == pytest.approx(0.033, **EXACT)
+    assert gaps[~beside & (starts > ends[0])] == pytest.approx(0.022, **EXACT)
+    plain = simulate(disaggregated(layerwise=False), [SimRequest(0.0, 100, 60), SimRequest(0.5, 200, 1)])
+    assert r.finish_s[0] > plain.finish_s[0] and r.ttft_s[1] == pytest.approx(plain.ttft_s[1], **EXACT)

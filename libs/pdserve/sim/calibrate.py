@@ -1,10 +1,11 @@
-"""Fitting the control plane's per-token time to a measured TPOT.
+"""Fitting the serving stack's costs beyond the engine to a measured TPOT.
 
 `pdserve profile` times the engine alone; a served stack also spends CPU per emitted token outside the
 forward (the commit's publish, detokenization, the gateway's SSE, the recorder and NATS on the same cores),
-which grows a decode step with its batch. `Overheads.decode_token_s` charges it; this fits it so that a
-simulation of measured traffic reproduces the TPOT the stack measured (the way Vidur and DistServe fit
-their latency models to profiled runs before predicting with them).
+which grows a decode step with its batch, and on one host a decode step slows while another replica
+prefills beside it. `Overheads.decode_token_s` and `Overheads.prefill_interference` charge them; these fit
+them so that a simulation of measured traffic reproduces the TPOT the stack measured (the way Vidur and
+DistServe fit their latency models to profiled runs before predicting with them).
 """
 
 from __future__ import annotations
@@ -13,6 +14,8 @@ from collections.abc import Callable
 
 DECODE_TOKEN_MAX_S = 0.05  # 50 ms per token: above any CPU control plane measured here (~1-5 ms)
 DECODE_TOKEN_TOL_S = 1e-4
+INTERFERENCE_MAX = 3.0  # a step 4x as long beside a prefill: above the 118% fitted here (docs/simulator.md)
+INTERFERENCE_TOL = 1e-3
 
 
 def fit_decode_token_s(
@@ -35,3 +38,16 @@ def fit_decode_token_s(
         mid = (lo + hi) / 2
         lo, hi = (mid, hi) if tpot_at(mid) < target_s else (lo, mid)
     return (lo + hi) / 2
+
+
+def fit_prefill_interference(
+    tpot_at: Callable[[float], float],
+    target_s: float,
+    hi: float = INTERFERENCE_MAX,
+    tol: float = INTERFERENCE_TOL,
+) -> float:
+    """The `prefill_interference` (a fraction) in [0, `hi`] at which `tpot_at(x)` (a simulated TPOT p50 of
+    a decode stream with prefills beside it, seconds, non-decreasing in x) reaches `target_s` (measured,
+    seconds): `fit_decode_token_s`'s bisection over another range. Raises ValueError when `target_s` is
+    not positive."""
+    return fit_decode_token_s(tpot_at, target_s, hi, tol)

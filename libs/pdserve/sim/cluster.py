@@ -76,6 +76,7 @@ def simulate(
         if colocated
         else [Replica(i, f"decode-{i}", decode_pool, cfg.prefix_caching) for i in range(decode_pool.replicas)]
     )
+    replicas = list({id(r): r for r in prefill_reps + decode_reps}.values())
     policy = make_policy(cfg.policy, RouterSettings())
     role = Role.UNIFIED if colocated else Role.PREFILL
     bs = prefill_pool.block_size
@@ -227,9 +228,12 @@ def simulate(
             ptoks += k
             budget -= k
         if not ptoks and not rep.n_dec:
-            rep.busy = False
+            rep.busy = rep.prefill_step = False
             return
         dur = rep.cost.step_s(ptoks, pairs, rep.n_dec, rep.ctx) + ov.decode_token_s * rep.n_dec
+        if ov.prefill_interference and any(o.busy and o.prefill_step for o in replicas if o is not rep):
+            dur *= 1.0 + ov.prefill_interference
+        rep.prefill_step = ptoks > 0
         rep.busy = True
         rep.busy_s += dur
         rep.steps += 1
@@ -347,8 +351,6 @@ def simulate(
         rejected=rejected,
         join_step=np.asarray(join_step),
         decode_replica=[d.name if d is not None else "" for d in where_d],
-        step_ends_s={
-            r.name: np.asarray(r.step_ends) for r in {id(x): x for x in prefill_reps + decode_reps}.values()
-        },
-        busy_s={r.name: r.busy_s for r in {id(x): x for x in prefill_reps + decode_reps}.values()},
+        step_ends_s={r.name: np.asarray(r.step_ends) for r in replicas},
+        busy_s={r.name: r.busy_s for r in replicas},
     )

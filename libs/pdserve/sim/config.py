@@ -67,7 +67,11 @@ class Overheads(BaseModel):
     sequence it decodes, the serving loop's work per emitted token beyond the engine's forward (the
     commit's publish, detokenization, and the CPU the gateway's SSE, the recorder and NATS take from the
     workers' cores per token), which grows a step with its batch as the engine's own per-sequence cost
-    does. Defaults: 0 (an ideal control plane)."""
+    does. `prefill_interference`: a step that starts while another replica runs a step with prefill
+    tokens takes (1 + this) × its time — replicas on one host (this machine's cores) share its memory bus,
+    and a disaggregated decode worker receives, verifies and scatters the prefill's KV on its own core as
+    the prefill computes (benchmarks/itl_positions.py measures it); 0 for replicas on accelerators of
+    their own. Defaults: 0 (an ideal control plane)."""
 
     model_config = ConfigDict(frozen=True)
 
@@ -75,6 +79,7 @@ class Overheads(BaseModel):
     first_token_s: float = 0.0
     decode_start_s: float = 0.0
     decode_token_s: float = 0.0
+    prefill_interference: float = Field(0.0, ge=0.0)
 
 
 class ClusterConfig(BaseModel):

@@ -36,6 +36,7 @@ class Replica:
         "step_ends",
         "index",
         "starting",
+        "prefill_step",
     )
 
     def __init__(self, index: int, name: str, pool: PoolConfig, prefix_caching: bool) -> None:
@@ -52,6 +53,7 @@ class Replica:
         self.ctx = 0  # Σ context of the decoding sequences at the next step
         self.step_no = 0
         self.busy = False
+        self.prefill_step = False  # the step in flight computes prefill tokens
         self.free_blocks = pool.capacity_blocks
         self.queued_blocks = 0  # uncomputed prompt blocks placed here (the router's active prefill blocks)
         self.active = 0  # requests placed here and not finished here
