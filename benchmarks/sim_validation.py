@@ -2,20 +2,21 @@
 measured here on the same grid (input:output ratios × request rates, colocated and disaggregated).
 
 One run, per mode: `pdserve profile` pinned to core 0 (the core the first worker pool is pinned to), then
-that mode's stack: a few probe requests (other prompts than the sweep's: one at a time at each ratio, and 8
-decode-heavy ones at once), the `bench compare` sweep (`bench/compare.py`: a real stack, each pool on its
-own core), then the simulator on the same requests (the same random prompts, hashed with pdserve's block
-hashing, and the same arrival times: `bench/datasets.py`, `bench/arrivals.py`, seed 0) with that profile's
-cost model and the stack's configuration (colocated: 2 unified workers; disaggregated: 1 prefill + 1 decode
-worker; each max_num_seqs 64, a 512-token budget, 32,768 KV tokens; the `kv` policy; the measured ucxx GB/s
-as the link), the cost model the mean of a profile taken just before and one just after the sweep, the
-control plane's time before the first token and its time per emitted token from the probes (the
-engine-only variant uses the profile before and the documented constants below instead; both are
-reported). A sweep keeps its stack up, and every rate of one ratio sends the same prompts (one seed), so the
-simulator runs each ratio's rates in sweep order on one cluster, as the stack served them (later rates hit
-the prefix cache the earlier ones filled). The control plane's fixed times are the concurrency-1 phases of
-docs/benchmarks/control_plane.md (client↔gateway, queue, route, reserve, dispatch: 12 ms before the engine,
-3 ms for the first token's way back, 2 ms to start decode).
+that mode's stack: a few probe requests (other prompts than the sweep's: one at a time at each ratio, 8
+decode-heavy ones at once, and one decode stream with eight prefills beside it), the `bench compare` sweep
+(`bench/compare.py`: a real stack, each pool on its own core), then the simulator on the same requests
+(the same random prompts, hashed with pdserve's block hashing, and the same arrival times:
+`bench/datasets.py`, `bench/arrivals.py`, seed 0) with that profile's cost model and the stack's
+configuration (colocated: 2 unified workers; disaggregated: 1 prefill + 1 decode worker; each max_num_seqs
+64, a 512-token budget, 32,768 KV tokens; the `kv` policy; the measured ucxx GB/s as the link), the cost
+model the mean of a profile taken just before and one just after the sweep, the control plane's time
+before the first token, its time per emitted token and how much longer a step is beside a prefill from
+the probes (the engine-only variant uses the profile before and the documented constants below instead;
+both are reported). A sweep keeps its stack up, and every rate of one ratio sends the same prompts (one
+seed), so the simulator runs each ratio's rates in sweep order on one cluster, as the stack served them
+(later rates hit the prefix cache the earlier ones filled). The control plane's fixed times are the
+concurrency-1 phases of docs/benchmarks/control_plane.md (client↔gateway, queue, route, reserve,
+dispatch: 12 ms before the engine, 3 ms for the first token's way back, 2 ms to start decode).
 
 Writes docs/benchmarks/sim-validation.{json,md,png}: TTFT p50, TPOT p50 and goodput per cell, simulated
 beside measured, the error of each, the winner (by goodput, `bench compare`'s margin: 2 requests) per cell.
