@@ -244,11 +244,10 @@ def simulated_probe_tpot_s(mode: str, profile: Profile, overheads: Overheads, p:
     return res.metrics().latency["tpot"].median_ms / 1e3
 
 
-def simulated_interference_tpot_s(mode: str, profile: Profile, overheads: Overheads) -> float:
-    """TPOT (s) of the interference probe's stream simulated on `mode`'s cluster, its prefills beside it."""
+def interference_sim_requests() -> list[SimRequest]:
+    """The interference probe as the simulator takes it: the stream (request 0) at 0, its prefills after."""
     stream, fills, times = interference_requests()
-    reqs = from_samples(stream, [0.0]) + from_samples(fills, times)
-    return float(simulate(cluster(mode, profile, overheads), reqs).tpot_s[0])
+    return from_samples(stream, [0.0]) + from_samples(fills, times)
 
 
 def calibrate(mode: str, profile: Profile, probes: dict | None) -> tuple[Overheads, dict]:
@@ -281,9 +280,11 @@ def calibrate(mode: str, profile: Profile, probes: dict | None) -> tuple[Overhea
     }
     ip = probes.get("interference")
     if ip and ip.get("success"):
-        def stream_tpot_at(x: float) -> float:
+        reqs = interference_sim_requests()
+
+        def stream_tpot_at(x: float) -> float:  # the stream's TPOT (s), its prefills beside it
             with_x = ov.model_copy(update={"prefill_interference": x})
-            return simulated_interference_tpot_s(mode, profile, with_x)
+            return float(simulate(cluster(mode, profile, with_x), reqs).tpot_s[0])
 
         alpha = fit_prefill_interference(stream_tpot_at, ip["tpot_ms"] / 1e3)
         ov = ov.model_copy(update={"prefill_interference": alpha})

@@ -11,6 +11,7 @@ DistServe fit their latency models to profiled runs before predicting with them)
 from __future__ import annotations
 
 from collections.abc import Callable
+from functools import partial
 
 DECODE_TOKEN_MAX_S = 0.05  # 50 ms per token: above any CPU control plane measured here (~1-5 ms)
 DECODE_TOKEN_TOL_S = 1e-4
@@ -18,36 +19,22 @@ INTERFERENCE_MAX = 3.0  # a step 4x as long beside a prefill: above the 118% fit
 INTERFERENCE_TOL = 1e-3
 
 
-def fit_decode_token_s(
-    tpot_at: Callable[[float], float],
-    target_s: float,
-    hi_s: float = DECODE_TOKEN_MAX_S,
-    tol_s: float = DECODE_TOKEN_TOL_S,
-) -> float:
-    """The `decode_token_s` (seconds) in [0, `hi_s`] at which `tpot_at(decode_token_s)` (a simulated TPOT
-    p50, seconds, non-decreasing in its argument) reaches `target_s` (the measured TPOT p50, seconds), by
-    bisection to `tol_s` (the last bracket's midpoint). 0 when the engine alone already reaches the
-    target; within `tol_s` of `hi_s` when even that falls short. Raises ValueError when `target_s` is not
-    positive."""
+def fit_to_tpot(tpot_at: Callable[[float], float], target_s: float, hi: float, tol: float) -> float:
+    """The value x in [0, `hi`] at which `tpot_at(x)` (a simulated TPOT p50, seconds, non-decreasing in x)
+    reaches `target_s` (the measured TPOT p50, seconds), by bisection to `tol` (the last bracket's
+    midpoint). 0 when x = 0 already reaches the target; within `tol` of `hi` when even that falls short.
+    Raises ValueError when `target_s` is not positive."""
     if target_s <= 0:
         raise ValueError(f"target TPOT must be positive, got {target_s}")
     if tpot_at(0.0) >= target_s:
         return 0.0
-    lo, hi = 0.0, hi_s
-    while hi - lo > tol_s:
-        mid = (lo + hi) / 2
-        lo, hi = (mid, hi) if tpot_at(mid) < target_s else (lo, mid)
-    return (lo + hi) / 2
+    lo, up = 0.0, hi
+    while up - lo > tol:
+        mid = (lo + up) / 2
+        lo, up = (mid, up) if tpot_at(mid) < target_s else (lo, mid)
+    return (lo + up) / 2
 
 
-def fit_prefill_interference(
-    tpot_at: Callable[[float], float],
-    target_s: float,
-    hi: float = INTERFERENCE_MAX,
-    tol: float = INTERFERENCE_TOL,
-) -> float:
-    """The `prefill_interference` (a fraction) in [0, `hi`] at which `tpot_at(x)` (a simulated TPOT p50 of
-    a decode stream with prefills beside it, seconds, non-decreasing in x) reaches `target_s` (measured,
-    seconds): `fit_decode_token_s`'s bisection over another range. Raises ValueError when `target_s` is
-    not positive."""
-    return fit_decode_token_s(tpot_at, target_s, hi, tol)
+# `Overheads.decode_token_s` (seconds per emitted token) and `Overheads.prefill_interference` (a fraction)
+fit_decode_token_s = partial(fit_to_tpot, hi=DECODE_TOKEN_MAX_S, tol=DECODE_TOKEN_TOL_S)
+fit_prefill_interference = partial(fit_to_tpot, hi=INTERFERENCE_MAX, tol=INTERFERENCE_TOL)
