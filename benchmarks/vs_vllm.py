@@ -9,7 +9,9 @@ Three servers up side by side, serving load one at a time (the machine has 2 cor
 - **vLLM**: vLLM CPU 0.32 (`vllm serve`, fp32, 2 GiB KV cache, OpenMP bound to cores 0-1) on a model
   directory written from pdserve's own weights: benchmarks/peers/vllm_cpu.py sets it up once (~3-10 min,
   cached under `~/.cache/pdserve/peers/`) and starts it.
-- **colocated**: `pdserve up --mode colocated` (2 unified workers).
+- **colocated**: `pdserve up --mode colocated --prefill 0 --decode 1`: one unified worker owning both
+  cores (`pdserve up` gives it `PDS_TORCH_THREADS=2`; a forward of 16 tokens or more runs on both,
+  engine/threads.py), the shape vLLM serves in: one engine on the machine.
 - **disaggregated**: `pdserve up --mode disaggregated` (1 prefill + 1 decode worker, KV over ucxx).
 
 The pdserve stacks use this machine's NATS (4222) and Postgres (5432) when they answer (each with a
@@ -54,6 +56,7 @@ from pdserve.bench.sidebyside import cell_figures, pdserve_stack, ratio, round_o
 
 console = Console(highlight=False, soft_wrap=True)
 SERVERS = ("vllm", "colocated", "disaggregated")
+UP_ARGS = {"colocated": ("--prefill", "0", "--decode", "1")}  # one unified worker with every core
 FIGURES = (("output_throughput", "output tok/s", True), ("ttft_p50_ms", "TTFT p50 ms", False),
            ("tpot_p50_ms", "TPOT p50 ms", False), ("itl_p99_ms", "ITL p99 ms", False))
 # The issue's targets for pdserve colocated against vLLM (concurrency → figure → (op, bound)).
@@ -143,8 +146,10 @@ def write_reports(results: dict, out: Path) -> list[Path]:
         "",
         f"- **vLLM**: vLLM CPU {vllm_cpu.VLLM_VERSION} (`vllm serve`, fp32, {vllm_cpu.KVCACHE_GIB} GiB KV "
         "cache, OpenMP threads bound to cores 0-1), on an HF-layout directory written from pdserve's own "
-        "weights (benchmarks/peers/vllm_cpu.py). **colocated**: `pdserve up --mode colocated` (2 unified "
-        "workers). **disaggregated**: `pdserve up` (1 prefill + 1 decode worker, KV over ucxx).",
+        "weights (benchmarks/peers/vllm_cpu.py). **colocated**: `pdserve up --mode colocated --prefill 0 "
+        "--decode 1` (one unified worker owning both cores: 2 torch threads for a forward of 16 tokens or "
+        "more, 1 below). **disaggregated**: `pdserve up` (1 prefill + 1 decode worker, one core and one "
+        "thread each, KV over ucxx).",
         "- Client: `pdserve bench serve`'s (libs/pdserve/bench), vLLM's metric definitions. A cell is "
         "input:output tokens:concurrency. Each figure is the median over rounds; **× vLLM** is the median of "
         "the per-round ratios pdserve / vLLM (the three servers of a round ran one after another, order "
@@ -274,7 +279,8 @@ def main() -> int:
                 urls[name] = up.enter_context(vllm_cpu.start_server(lay, log=log))
                 dbs[name] = None
             else:
-                stack = up.enter_context(pdserve_stack(name, "smollm2", args.var_dir.resolve()))
+                stack = up.enter_context(pdserve_stack(name, "smollm2", args.var_dir.resolve(),
+                                                       up_args=UP_ARGS.get(name, ())))
                 urls[name], dbs[name] = stack.state.gateway_url, stack.state.database_url or None
             if (err := asyncio.run(warm_up(urls[name]))) is not None:
                 raise RuntimeError(f"{name} did not serve the warm-up requests: {err}")

@@ -308,7 +308,9 @@ class WorkerSettings(CommonSettings, ModelSettings):
     lease_s: float = Field(30.0, description="A reservation not started within this many seconds is freed.")
     commit_every_tokens: int = Field(16, description="A TokensCommitted event every this many output tokens.")
     heartbeat_interval_s: float = Field(0.5, description="Heartbeat period.")
-    torch_threads: int = Field(1, description="torch intra-op threads: one core per worker by default.")
+    torch_threads: int = Field(
+        1, ge=1, description="torch intra-op threads of the engine's steps: the cores this worker owns "
+        "(`pdserve up` shares the host's cores among its workers; engine/threads.py).")
     device: DeviceKind = Field(
         DeviceKind.CPU, description="Where the engine's weights, KV pool and forward tensors live: 'cpu' "
         "(fp32) or 'cuda' (bf16). Workers pair only with peers of the same memory type (compatibility "

@@ -57,7 +57,7 @@ class ServiceSpec:
 
     def environment(
         self, *, nats_url: str, database_url: str, model: str, var_dir: Path, gateway_port: int,
-        kv_store_url: str | None = None,
+        kv_store_url: str | None = None, torch_threads: int | None = None,
     ) -> dict[str, str]:
         """The `PDS_*` variables this process starts with (on top of the caller's environment).
 
@@ -66,6 +66,7 @@ class ServiceSpec:
         port, and no other service has a fixed port (metrics and KV transfer listeners bind port 0 and
         publish the real one). `kv_store_url`: the stack's Mooncake master (`mooncake://host:port`); each
         worker then gets `PDS_KV_STORE=mooncake` and `PDS_KV_STORE_URL` (docs/architecture.md §16).
+        `torch_threads`: a worker's `PDS_TORCH_THREADS` (None: not set here; `worker_threads`).
         """
         env = {
             "PDS_NATS_URL": nats_url,
@@ -79,7 +80,16 @@ class ServiceSpec:
             env["PDS_PORT"] = str(gateway_port)
         if kv_store_url and self.is_worker:
             env |= {"PDS_KV_STORE": "mooncake", "PDS_KV_STORE_URL": kv_store_url}
+        if torch_threads is not None and self.is_worker:
+            env["PDS_TORCH_THREADS"] = str(torch_threads)
         return env
+
+
+def worker_threads(plan: list[ServiceSpec], cores: int) -> int:
+    """Each worker's torch threads when `plan`'s workers share a host of `cores` cores: the cores divided
+    evenly among them, at least 1 (one unified worker on 2 cores: 2; a prefill and a decode worker: 1 each,
+    as each owned a core before)."""
+    return max(1, cores // max(1, sum(s.is_worker for s in plan)))
 
 
 DATABASE_ROLES = {"recorder": "pdserve_recorder", "gateway": "pdserve_gateway"}

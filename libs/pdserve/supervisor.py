@@ -29,7 +29,7 @@ from pdserve.config import CommonSettings
 from pdserve.embedded import EmbeddedServer, start_mooncake, start_nats, start_postgres
 from pdserve.nats_auth import stack_users, write_server_config, write_users
 from pdserve.process import ProcessRef, child_dies_with_parent
-from pdserve.service_plan import KV_STORES, MODES, ServiceSpec, model_arg, service_plan
+from pdserve.service_plan import KV_STORES, MODES, ServiceSpec, model_arg, service_plan, worker_threads
 from pdserve.stack_state import ServerState, ServiceState, StackState, remove_state, write_state
 
 log = logging.getLogger("pdserve.supervisor")
@@ -201,6 +201,9 @@ class Supervisor:
                 var_dir=self.var_dir,
                 gateway_port=self.port,
                 kv_store_url=self.kv_store_url,
+                # the host's cores shared among the workers, unless the caller chose
+                torch_threads=None if "PDS_TORCH_THREADS" in os.environ
+                else worker_threads(self.plan, len(os.sched_getaffinity(0))),
             ),
         }
         if self.state.nats_users_file:  # the service reads its own password from the file, not from env

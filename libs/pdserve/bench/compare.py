@@ -85,8 +85,9 @@ class StackRun:
     embedded Postgres in a cleared var dir. A store reused across events streams would collide on
     stream sequence numbers."""
 
-    def __init__(self, mode: str, cfg: CompareConfig, env: dict[str, str], tag: str) -> None:
-        self.mode, self.cfg = mode, cfg
+    def __init__(self, mode: str, cfg: CompareConfig, env: dict[str, str], tag: str,
+                 up_args: tuple[str, ...] = ()) -> None:
+        self.mode, self.cfg, self.up_args = mode, cfg, up_args
         self.var_dir = cfg.var_dir / mode
         self.env = dict(env)
         self.database: tuple[str, str] | None = None  # (admin URL, database name) to drop at exit
@@ -103,7 +104,7 @@ class StackRun:
     def __enter__(self) -> StackRun:
         shutil.rmtree(self.var_dir, ignore_errors=True)
         out = self._cli("up", "--mode", self.mode, "--model", self.cfg.model, "--port", str(self.cfg.port),
-                        timeout_s=600)
+                        *self.up_args, timeout_s=600)
         if out.returncode != 0:
             self._cli("down", timeout_s=120)
             raise RuntimeError(f"pdserve up --mode {self.mode} failed:\n{out.stdout}\n{out.stderr}")

@@ -48,15 +48,16 @@ def free_port() -> int:
 
 
 def pdserve_stack(mode: str, model: str, var_dir: Path, extra_env: dict[str, str] | None = None,
-                  port: int | None = None) -> StackRun:
-    """A `pdserve up --mode <mode>` stack (1 prefill + 1 decode worker, or as many unified ones) with a
-    subject prefix, events stream, database and port of its own, so several run at once on one NATS and
-    Postgres. Use it as a context manager; `.state.gateway_url` is its URL once entered."""
+                  port: int | None = None, up_args: tuple[str, ...] = ()) -> StackRun:
+    """A `pdserve up --mode <mode> [up_args]` stack (1 prefill + 1 decode worker, or as many unified ones,
+    unless `up_args` says otherwise) with a subject prefix, events stream, database and port of its own,
+    so several run at once on one NATS and Postgres. Use it as a context manager; `.state.gateway_url` is
+    its URL once entered."""
     tag = uuid.uuid4().hex[:6]
     env = {**os.environ, **server_env(), "PDS_SUBJECT_PREFIX": f"pdsbx{tag}",
            "PDS_EVENTS_STREAM": f"PDS_BENCH_{tag}", **(extra_env or {})}
     cfg = CompareConfig(model=model, port=port or free_port(), var_dir=var_dir)
-    return StackRun(mode, cfg, env, tag)
+    return StackRun(mode, cfg, env, tag, up_args)
 
 
 def round_order(names: Sequence[str], round_index: int, cell_index: int = 0) -> list[str]:

@@ -65,7 +65,7 @@ class WorkerCore:
                                           self.engine.take_kv_events)
         self.loop = EngineLoop(self.engine, self.compute, bus, self.worker_id,
                                commit_every_tokens=settings.commit_every_tokens,
-                               after_step=self.kv_events.flush)
+                               after_step=self.kv_events.flush, torch_threads=settings.torch_threads)
 
     async def free(self, seq: Sequence) -> None:
         async with self.compute:

@@ -22,6 +22,7 @@ from opentelemetry import trace
 from pdserve.bus import RejectedError
 from pdserve.engine.llm_engine import CannotFit, NoFreeBlocks
 from pdserve.engine.sequence import Sequence, SequenceStatus
+from pdserve.engine.threads import one_thread
 from pdserve.events import ChecksumMismatch, DecodeStarted, TransferCompleted
 from pdserve.messages import (
     DecodeAdmitted,
@@ -47,7 +48,8 @@ class DecodeCommands:
     def __init__(self, core: WorkerCore) -> None:
         self.core = core
         # Received KV is scattered into the blocks here, one chunk at a time, off the event loop.
-        self.scatter_pool = ThreadPoolExecutor(max_workers=1, thread_name_prefix=f"{core.worker_id}-scatter")
+        self.scatter_pool = ThreadPoolExecutor(max_workers=1, thread_name_prefix=f"{core.worker_id}-scatter",
+                                               initializer=one_thread)
 
     async def reserve(self, req: ReserveRequest) -> Reservation:
         core = self.core

@@ -7,12 +7,16 @@ token for whoever waits on a prefill. The running batch is the engine's continuo
 from __future__ import annotations
 
 import asyncio
+import contextvars
+import functools
 import logging
 import time
 from collections.abc import Awaitable, Callable
+from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
-from typing import NamedTuple
+from typing import NamedTuple, TypeVar
 
+import torch
 from opentelemetry import trace
 
 from pdserve.bus import Bus, BusTimeout, RejectedError
@@ -30,6 +34,7 @@ _IDLE_RETRY_S = 0.005  # work queued but nothing schedulable (blocks held by res
 # restart, whose start-up alone may wait JETSTREAM_READY_S (30 s, bus.py) for JetStream. It was 10 × 2.5 s,
 # and a CI run's coordinator, killed mid-decode, came back after it: the request never ended in the log.
 FINISHED_RETRY_S = 120.0
+T = TypeVar("T")
 
 
 class PrefillDone(NamedTuple):
@@ -57,10 +62,11 @@ class EngineLoop:
     """The loop of one worker's engine. `compute` is the worker's engine lock (every engine call, here and
     in the command handlers, holds it, except the step's forward); `after_step` runs after every step,
     outside the lock (the worker flushes its KV cache events); `commit_every_tokens` is how many streamed
-    tokens a `TokensCommitted` may lag behind."""
+    tokens a `TokensCommitted` may lag behind; `torch_threads` the step thread's torch threads."""
 
     def __init__(self, engine: LLMEngine, compute: asyncio.Lock, bus: Bus, worker_id: str, *,
-                 commit_every_tokens: int, after_step: Callable[[], Awaitable[None]]) -> None:
+                 commit_every_tokens: int, after_step: Callable[[], Awaitable[None]],
+                 torch_threads: int = 1) -> None:
         self.engine = engine
         self.compute = compute
         self.bus = bus
@@ -70,6 +76,10 @@ class EngineLoop:
         self.streams: dict[str, DecodeStream] = {}
         self.prefills: dict[str, asyncio.Future[PrefillDone]] = {}
         self._wakeup = asyncio.Event()
+        # Every step runs on this one thread, the only one of the worker with an OpenMP team of more than
+        # one thread (engine/threads.py: a second team slows the first).
+        self._step_thread = ThreadPoolExecutor(1, f"{worker_id}-step", initializer=torch.set_num_threads,
+                                               initargs=(torch_threads,))
 
     @property
     def num_running(self) -> int:
@@ -94,27 +104,38 @@ class EngineLoop:
             )
 
     async def run(self) -> None:
-        """Forever: one engine step, then its outputs. The step's schedule and its sampling run in a thread
-        under the worker's compute lock, its forward in a thread without it (`LLMEngine.run_step`)."""
+        """Forever: one engine step, then its outputs. The step's schedule and its sampling run on the step
+        thread under the worker's compute lock, its forward on the same thread without it
+        (`LLMEngine.run_step`)."""
         while True:
             if not self.engine.has_work:
                 self._wakeup.clear()
                 await self._wakeup.wait()
                 continue
             async with self.compute:
-                plan = await asyncio.to_thread(self.engine.begin_step)
+                plan = await self.on_step_thread(self.engine.begin_step)
             outputs = []
             if plan is not None:
                 # The forward runs without the lock: a reserve, a new prefill or an admission that comes
                 # meanwhile is taken now, and joins the next step, instead of waiting for this one to end.
-                logits = await asyncio.to_thread(self.engine.run_step, plan)
+                logits = await self.on_step_thread(self.engine.run_step, plan)
                 async with self.compute:
-                    outputs = await asyncio.to_thread(self.engine.finish_step, plan, logits)
+                    outputs = await self.on_step_thread(self.engine.finish_step, plan, logits)
             await self.after_step()
             for out in outputs:
                 await self._dispatch(out)
             if plan is None:
                 await asyncio.sleep(_IDLE_RETRY_S)
+
+    def on_step_thread(self, fn: Callable[..., T], *args: object) -> asyncio.Future[T]:
+        """`fn(*args)` on the step thread, the one every engine step runs on (after the step in flight), in
+        a copy of the caller's context (trace context included), as `asyncio.to_thread` runs it."""
+        call = functools.partial(contextvars.copy_context().run, fn, *args)
+        return asyncio.get_running_loop().run_in_executor(self._step_thread, call)
+
+    def close(self) -> None:
+        """Let the step thread go once the step in flight (if any) ends."""
+        self._step_thread.shutdown(wait=False, cancel_futures=True)
 
     async def admit(
         self, seq: Sequence, first_token_id: int, first_logprobs: TokenLogprobs | None = None

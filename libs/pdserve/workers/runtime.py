@@ -7,12 +7,11 @@ import logging
 import os
 from collections.abc import Callable
 
-import torch
-
 from pdserve.bus import Bus
 from pdserve.config import WorkerSettings
 from pdserve.engine.host_memory import retain_freed_memory
 from pdserve.engine.loader import load_model
+from pdserve.engine.threads import one_thread
 from pdserve.messages import KVTransportKind, Role
 from pdserve.service import MainTask, run_service, until_stopped
 from pdserve.telemetry import metrics
@@ -31,8 +30,9 @@ def run_worker(default_role: Role,
         settings.role = default_role
     if not settings.worker_id:
         settings.worker_id = f"{settings.role}-{os.getpid()}"
-    # One intra-op thread: prefill and decode workers each own a core on a small machine.
-    torch.set_num_threads(settings.torch_threads)
+    # One torch thread for every thread of the process but the engine loop's step thread, which runs on
+    # the worker's `torch_threads` cores (engine/threads.py).
+    one_thread()
     retain_freed_memory()  # a forward's large activations stay in the heap between steps
 
     async def setup(bus: Bus):
@@ -54,6 +54,7 @@ def run_worker(default_role: Role,
             for t in tasks:
                 t.cancel()
             await asyncio.gather(*tasks, return_exceptions=True)
+            worker.core.loop.close()
             if transport is not None:
                 await transport.stop()
 

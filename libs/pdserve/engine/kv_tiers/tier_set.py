@@ -24,6 +24,7 @@ import torch
 
 from pdserve.engine.kv_events import BlockRemoved, BlockStored, CheckpointRemoved, CheckpointStored
 from pdserve.engine.kv_tiers.tier import KeySpace, KVTier, ReportsChanges
+from pdserve.engine.threads import one_thread
 
 log = logging.getLogger(__name__)
 
@@ -131,6 +132,7 @@ class KVTierSet:
 
     def _write_loop(self) -> None:
         assert self._queue is not None
+        one_thread()  # the step thread's team is the worker's only one (engine/threads.py)
         while (job := self._queue.get()) is not None:
             space, block_hash, snapshot, tiers = job
             try:
