@@ -76,6 +76,17 @@ def decode_roofline_s(c: int, roof: dict[str, float], num_params: int, head_para
     return prefill + (OUTPUT_TOKENS - 1) * step
 
 
+def cpu_model() -> str:
+    """The CPU's name from /proc/cpuinfo (MKL's speed, HF's GEMM, depends on the vendor), else the arch."""
+    try:
+        for line in Path("/proc/cpuinfo").read_text().splitlines():
+            if line.startswith("model name"):
+                return line.split(":", 1)[1].strip()
+    except OSError:
+        pass
+    return platform.machine()
+
+
 def prompts(vocab: int, n: int, length: int) -> list[list[int]]:
     g = torch.Generator().manual_seed(length * 1000 + n)
     return torch.randint(100, vocab, (n, length), generator=g).tolist()
@@ -176,7 +187,7 @@ def main() -> None:
         print(prefill[-1], flush=True)
     result = {
         "generated": time.strftime("%Y-%m-%d %H:%M"),
-        "machine": f"{platform.machine()}, {torch.get_num_threads()} torch thread",
+        "machine": f"{cpu_model()}, {torch.get_num_threads()} torch thread",
         "model": loaded.name,
         "num_params": num_params,
         "roofline": roof,
