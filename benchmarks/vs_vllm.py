@@ -10,7 +10,7 @@ Three servers up side by side, serving load one at a time (the machine has 2 cor
   directory written from pdserve's own weights: benchmarks/peers/vllm_cpu.py sets it up once (~3-10 min,
   cached under `~/.cache/pdserve/peers/`) and starts it.
 - **colocated**: `pdserve up --mode colocated --prefill 0 --decode 1`: one unified worker owning both
-  cores (`pdserve up` gives it `PDS_TORCH_THREADS=2`; a forward of 16 tokens or more runs on both,
+  cores (`pdserve up` gives it `PDS_TORCH_THREADS=2`: every engine step on two torch threads,
   engine/threads.py), the shape vLLM serves in: one engine on the machine.
 - **disaggregated**: `pdserve up --mode disaggregated` (1 prefill + 1 decode worker, KV over ucxx).
 
@@ -147,9 +147,9 @@ def write_reports(results: dict, out: Path) -> list[Path]:
         f"- **vLLM**: vLLM CPU {vllm_cpu.VLLM_VERSION} (`vllm serve`, fp32, {vllm_cpu.KVCACHE_GIB} GiB KV "
         "cache, OpenMP threads bound to cores 0-1), on an HF-layout directory written from pdserve's own "
         "weights (benchmarks/peers/vllm_cpu.py). **colocated**: `pdserve up --mode colocated --prefill 0 "
-        "--decode 1` (one unified worker owning both cores: 2 torch threads for a forward of 16 tokens or "
-        "more, 1 below). **disaggregated**: `pdserve up` (1 prefill + 1 decode worker, one core and one "
-        "thread each, KV over ucxx).",
+        "--decode 1` (one unified worker owning both cores: every engine step on 2 torch threads). "
+        "**disaggregated**: `pdserve up` (1 prefill + 1 decode worker, one core and one thread each, KV "
+        "over ucxx).",
         "- Client: `pdserve bench serve`'s (libs/pdserve/bench), vLLM's metric definitions. A cell is "
         "input:output tokens:concurrency. Each figure is the median over rounds; **× vLLM** is the median of "
         "the per-round ratios pdserve / vLLM (the three servers of a round ran one after another, order "
