@@ -52,10 +52,11 @@ def measure(variant: str, reps: int) -> dict[str, float]:
         engine.add_request(Sequence("warm", list(range(100, 164)), SamplingParams(max_tokens=1)))
         engine.step()  # the main thread opens its team, as a worker's start-up did
     # four threads taken in turn (as asyncio.to_thread takes whichever is free), or one
-    pools = itertools.cycle([cf.ThreadPoolExecutor(1) for _ in range(4 if variant == "pool threads" else 1)])
+    pools = itertools.cycle([cf.ThreadPoolExecutor(1, initializer=torch.set_num_threads, initargs=(threads,))
+                             for _ in range(4 if variant == "pool threads" else 1)])
 
     def on_pool(fn):
-        return next(pools).submit(lambda: (torch.set_num_threads(threads), fn())[1]).result()
+        return next(pools).submit(fn).result()
 
     g = torch.Generator().manual_seed(0)
     prompts = torch.randint(100, loaded.config.vocab_size, (reps + 1 + 8, 128), generator=g).tolist()

@@ -66,6 +66,9 @@ class Supervisor:
         self.kv_store_url: str | None = None
         self.plan: list[ServiceSpec] = plan or service_plan(
             args.mode, args.prefill, args.decode, args.coordinators, args.routers)
+        # each worker's PDS_TORCH_THREADS: the host's cores shared among the workers, unless the caller chose
+        self.torch_threads: int | None = None if "PDS_TORCH_THREADS" in os.environ \
+            else worker_threads(self.plan, len(os.sched_getaffinity(0)))
         self.servers: list[EmbeddedServer] = []
         self.stopping = asyncio.Event()
         self.procs: dict[str, asyncio.subprocess.Process] = {}
@@ -201,9 +204,7 @@ class Supervisor:
                 var_dir=self.var_dir,
                 gateway_port=self.port,
                 kv_store_url=self.kv_store_url,
-                # the host's cores shared among the workers, unless the caller chose
-                torch_threads=None if "PDS_TORCH_THREADS" in os.environ
-                else worker_threads(self.plan, len(os.sched_getaffinity(0))),
+                torch_threads=self.torch_threads,
             ),
         }
         if self.state.nats_users_file:  # the service reads its own password from the file, not from env
