@@ -194,17 +194,21 @@ def write_reports(results: dict, out: Path) -> list[Path]:
     if floors := results.get("bus_floor"):
         raw = " / ".join(f"{f['raw_round_trip_p50_ms']:.2f}" for f in floors)
         typed = " / ".join(f"{f['typed_round_trip_p50_ms']:.2f}" for f in floors)
-        path = " / ".join(f"{f['critical_path_ms_raw']:.1f}–{f['critical_path_ms_typed']:.1f}"
-                          for f in floors)
+        path = {stack: " / ".join(f"{f[f'critical_path_ms_raw_{stack}']:.1f}–"
+                                  f"{f[f'critical_path_ms_typed_{stack}']:.1f}" for f in floors)
+                for stack in CRITICAL_PATH_MESSAGES}
         lines += ["", "The bus under it, measured in the same run (before / after the rounds; "
                   "libs/pdserve/bench/bus_floor.py): one NATS request/reply between two processes takes "
                   f"{raw} ms p50 bare (nats-py) and {typed} ms typed (`Bus.request` → `Bus.serve`). A "
-                  f"request's way to its first token is {CRITICAL_PATH_MESSAGES} one-way messages through "
-                  "NATS, colocated and disaggregated alike (RequestReceived stored and acked, Submit, the "
-                  "lease claimed and acked, route, reserve, prefill, the first token), so the messages "
-                  f"alone put **{path} ms** above the HTTP floor before any service does any work: the "
-                  "colocated target (≤ 2 ms) is under that floor on this machine with these hops, and "
-                  "meeting it takes fewer hops, not faster ones."]
+                  "request's way to its first token is "
+                  f"{CRITICAL_PATH_MESSAGES['disaggregated']} one-way messages through NATS disaggregated "
+                  "(RequestReceived stored and acked, Submit, the lease claimed and acked, route, reserve, "
+                  f"prefill, the first token) and {CRITICAL_PATH_MESSAGES['colocated']} colocated (the "
+                  "prefill command reserves), so the messages alone put **"
+                  f"{path['disaggregated']} / {path['colocated']} ms** (disaggregated / colocated) above "
+                  "the HTTP floor before any service does any work: the colocated target (≤ 2 ms) is at "
+                  "or under that floor on this machine with these hops, and meeting it takes fewer hops, "
+                  "not faster ones."]
     paths[1].write_text("\n".join(lines) + "\n")
 
     import matplotlib

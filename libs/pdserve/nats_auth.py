@@ -32,8 +32,9 @@ EMITS: dict[str, tuple[str, ...]] = {
     "coordinator": ("RequestRouted", "DecodeReserved", "AdmissionDeferred", "RequestMigrated",
                     "RequestRecovered", "RequestTakenOver", "RequestCompleted", "RequestFailed",
                     "RequestAborted"),
-    "worker": ("PrefillStarted", "PrefillCompleted", "TransferCompleted", "ChecksumMismatch", "DecodeStarted",
-               "TokensCommitted"),
+    # DecodeReserved: a local placement's, reserved by its prefill command (workers/prefill.py)
+    "worker": ("DecodeReserved", "PrefillStarted", "PrefillCompleted", "TransferCompleted",
+               "ChecksumMismatch", "DecodeStarted", "TokensCommitted"),
     "router": (),
     "recorder": (),
 }

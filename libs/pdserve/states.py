@@ -110,7 +110,7 @@ S = RequestState
 TRANSITIONS: tuple[Transition, ...] = (
     Transition(RequestReceived.type, S.RECEIVED, None, "gateway"),
     Transition(RequestRouted.type, S.ROUTED, Phase.ROUTE, "coordinator"),
-    Transition(DecodeReserved.type, S.RESERVED, Phase.RESERVE, "coordinator"),
+    Transition(DecodeReserved.type, S.RESERVED, Phase.RESERVE, "coordinator or, local, the worker"),
     Transition(PrefillStarted.type, S.PREFILLING, Phase.PREFILL, "prefill worker"),
     # A failed checksum is followed by a retransfer: only a verified transfer moves the state.
     Transition(TransferCompleted.type, S.TRANSFERRED, Phase.TRANSFER, "decode worker", "checksum_ok",

@@ -3,20 +3,20 @@ machine, bare (nats-py alone) and typed (`Bus.request` → `Bus.serve`: the pyda
 and per-message task every command of pdserve pays), measured on an embedded nats-server of its own.
 
 A request's way to its first token through pdserve is a chain of messages through NATS, each a hop
-sender → server → receiver (two process wake-ups). Colocated and disaggregated alike it is
-`CRITICAL_PATH_MESSAGES` one-way messages long:
+sender → server → receiver (two process wake-ups). `CRITICAL_PATH_MESSAGES[stack]` one-way messages long:
 
 1-2. gateway: `RequestReceived` into JetStream and its ack (stored before the Submit: recovery's start),
 3.   gateway → coordinator: `Submit`,
 4-5. coordinator: the request's lease claimed in the lease bucket (JetStream KV) and its ack,
 6-7. coordinator → router → coordinator: route,
-8-9. coordinator → decode (or unified) worker → coordinator: reserve,
-10.  coordinator → prefill worker: prefill (its reply comes after the forward, off this path),
+8-9. disaggregated only: coordinator → decode worker → coordinator: reserve (a colocated placement is
+     local: its prefill command reserves, lifecycle/placement.py),
+10.  coordinator → prefill (or unified) worker: prefill (its reply comes after the forward, off this path),
 11.  prefill worker → gateway: the first token (`TokenChunk`).
 
-So `CRITICAL_PATH_MESSAGES × round trip / 2` is the least the control plane can add above the HTTP floor
-with these hops on this machine, before any service does any work (benchmarks/control_plane.py reports it
-beside its target).
+So `CRITICAL_PATH_MESSAGES[stack] × round trip / 2` is the least the control plane can add above the HTTP
+floor with these hops on this machine, before any service does any work (benchmarks/control_plane.py
+reports it beside its target).
 
     python -c "from pdserve.bench.bus_floor import main; main()" NATS_URL    # the responder process
 """
@@ -37,7 +37,7 @@ from pdserve.config import CommonSettings
 from pdserve.embedded import free_port, start_nats
 from pdserve.messages import Ack
 
-CRITICAL_PATH_MESSAGES = 11
+CRITICAL_PATH_MESSAGES = {"colocated": 9, "disaggregated": 11}
 RAW_SUBJECT, TYPED_SUBJECT = "busfloor.raw", "busfloor.typed"
 
 
@@ -85,7 +85,8 @@ async def _round_trips(url: str, n: int) -> dict[str, float]:
 def measure_bus_floor(work_dir: Path, n: int = 300) -> dict[str, float]:
     """Round-trip p50s (ms) over `n` alternating bare and typed request/replies between this process and a
     responder process, on an embedded nats-server under `work_dir`, with the critical path's messaging floor
-    derived from them (`critical_path_ms_raw` / `_typed`: `CRITICAL_PATH_MESSAGES` × round trip / 2).
+    derived from them for each stack (`critical_path_ms_raw_<stack>` / `_typed_<stack>`:
+    `CRITICAL_PATH_MESSAGES[stack]` × round trip / 2).
     Raises RuntimeError when the responder does not start."""
     server = start_nats(work_dir / "bus-floor-nats", free_port())
     proc = subprocess.Popen([sys.executable, "-c", "from pdserve.bench.bus_floor import main; main()",
@@ -98,7 +99,8 @@ def measure_bus_floor(work_dir: Path, n: int = 300) -> dict[str, float]:
         proc.terminate()
         proc.wait(10)
         server.stop()
-    out["critical_path_messages"] = CRITICAL_PATH_MESSAGES
-    for kind in ("raw", "typed"):
-        out[f"critical_path_ms_{kind}"] = CRITICAL_PATH_MESSAGES * out[f"{kind}_round_trip_p50_ms"] / 2
+    for stack, messages in CRITICAL_PATH_MESSAGES.items():
+        out[f"critical_path_messages_{stack}"] = messages
+        for kind in ("raw", "typed"):
+            out[f"critical_path_ms_{kind}_{stack}"] = messages * out[f"{kind}_round_trip_p50_ms"] / 2
     return out

@@ -1,5 +1,8 @@
 """One placement of a request, as steps on its `RequestContext`: route, reserve decode KV (waiting,
 bounded, while decode is full), prefill with the transfer plan, start decode once the KV arrived verified.
+A local placement (the router's `local` or `colocated` mode: prefill and decode on one worker) reserves in
+its prefill command instead (`PrefillRequest.reserve`): no KV moves, so nothing needs the reservation
+before the prefill, and the reserve's round trip is saved.
 
 Admission: a request the coordinator accepted is *awaiting admission* until its first decode reservation;
 the coordinator counts those against `max_waiting_requests` when a Submit arrives (lifecycle/coordinator.py),
@@ -10,8 +13,11 @@ full. A request already admitted once (migrated, or resumed by recovery) never c
 from __future__ import annotations
 
 import asyncio
+import functools
 import logging
 import time
+from collections.abc import Awaitable, Callable
+from typing import TypeVar
 
 from opentelemetry import trace
 
@@ -20,7 +26,9 @@ from pdserve.events import AdmissionDeferred, DecodeReserved, RequestRouted
 from pdserve.ids import new_id
 from pdserve.lifecycle.context import PhaseFailed, RequestContext
 from pdserve.messages import (
+    LOCAL_ENDPOINT,
     DecodeAdmitted,
+    LocalReserve,
     PrefillRequest,
     PrefillResult,
     RejectCode,
@@ -37,6 +45,7 @@ log = logging.getLogger(__name__)
 tracer = trace.get_tracer("pdserve.coordinator")
 
 ROUTE_RETRY_S = 0.25
+T = TypeVar("T")
 
 
 async def route(ctx: RequestContext, prompt: tuple[int, ...]) -> RouteDecision:
@@ -89,17 +98,37 @@ async def place(
 ) -> DecodeAdmitted:
     """Reserve, prefill `prompt` and start decode from output index `start_index`; a transfer that
     fails verification is redone (fresh reservation and prefill) up to `max_prefill_attempts`, then
-    `PhaseFailed` (phase transfer). `timings` gets the UNIX seconds each step began, and "first_token"
-    when the first attempt's prefill worker streamed the first token itself. The first attempt's first
-    token is the request's: the client may already have it, so a retry streams none and decodes from it."""
+    `PhaseFailed` (phase transfer). A local placement (prefill and decode on one worker) reserves in its
+    prefill command: one round trip fewer, no transfer. `timings` gets the UNIX seconds each step began
+    (a local placement's "reserve" and "prefill" are the same instant), and "first_token" when the first
+    attempt's prefill worker streamed the first token itself. The first attempt's first token is the
+    request's: the client may already have it, so a retry streams none and decodes from it."""
     settings = ctx.settings
     max_tokens = ctx.submit.sampling.max_tokens - start_index
+    local = decision.prefill_worker_id == decision.decode_worker_id
     first: PrefillResult | None = None
     for attempt in range(1, settings.max_prefill_attempts + 1):
         timings["reserve"] = time.time()
-        reservation = await _reserve(ctx, decision, len(prompt), max_tokens, prompt)
+        if local:
+            transfer_id, endpoint, cached = new_id(), LOCAL_ENDPOINT, 0
+            reserve = LocalReserve(max_tokens=max_tokens, lease_s=settings.prefill_timeout_s)
+        else:
+            reservation = await _reserve(ctx, decision, len(prompt), max_tokens, prompt)
+            transfer_id, endpoint, cached = reservation.transfer_id, reservation.endpoint, \
+                reservation.num_cached_tokens
+            reserve = None
         timings["prefill"] = time.time()
-        result = await _prefill(ctx, decision, reservation, prompt, start_index, stream=first is None)
+        prefill = PrefillRequest(
+            request_id=ctx.request_id, transfer_id=transfer_id, prompt_token_ids=prompt,
+            sampling=ctx.submit.sampling, decode_worker_id=decision.decode_worker_id, endpoint=endpoint,
+            decode_num_cached_tokens=cached, cache_salt=ctx.submit.cache_salt, output_start_index=start_index,
+            stream_first_token=first is None, reserve=reserve,
+        )
+        if local:
+            result = await _until_admitted(ctx, decision.decode_worker_id,
+                                           functools.partial(_prefill, ctx, decision, prefill))
+        else:
+            result = await _prefill(ctx, decision, prefill)
         timings["prefilled"] = time.time()
         if first is None:
             first = result
@@ -108,7 +137,7 @@ async def place(
         # a hybrid's state handoff, after the compute (PrefillResult.state_s): the TTFT's serial state part
         timings["state_sent"] = max(timings["prefill"], timings["prefilled"] - result.state_s)
         try:
-            admitted = await _start(ctx, decision, reservation, first, prompt, start_index)
+            admitted = await _start(ctx, decision, transfer_id, first, prompt, start_index)
             break
         except RejectedError as e:
             if e.code is not RejectCode.TRANSFER_FAILED:
@@ -117,9 +146,39 @@ async def place(
             await ctx.release(decision.prefill_worker_id, "transfer failed")
     else:
         raise PhaseFailed(Phase.TRANSFER, f"KV not verified after {settings.max_prefill_attempts} attempts")
-    if decision.prefill_worker_id != decision.decode_worker_id:
+    if not local:
         await ctx.release(decision.prefill_worker_id, "transferred")  # decode confirmed: prefill KV done
     return admitted
+
+
+async def _until_admitted(ctx: RequestContext, worker: str, command: Callable[[], Awaitable[T]]) -> T:
+    """`command()` — a reserve on decode worker `worker`, or a local placement's reserve-and-prefill —
+    again while the worker refuses it with CAPACITY (decode full: `AdmissionDeferred` emitted once, retried
+    with backoff 20 ms → 0.5 s), for `admission_wait_s` at most, then `PhaseFailed` (phase admission).
+    The request leaves the admission queue once it succeeds."""
+    settings = ctx.settings
+    deadline = time.monotonic() + settings.admission_wait_s
+    delay, deferred = 0.02, False
+    while True:
+        try:
+            reply = await command()
+            break
+        except RejectedError as e:
+            if e.code is not RejectCode.CAPACITY:
+                raise
+            if not deferred:
+                deferred = True
+                metrics.ADMISSION_DEFERRED.labels(worker_id=worker).inc()
+                await ctx.bus.emit(ctx.request_id,
+                                   AdmissionDeferred(decode_worker_id=worker, reason=e.message))
+            if time.monotonic() + delay > deadline:
+                raise PhaseFailed(
+                    Phase.ADMISSION, f"decode {worker} full for {settings.admission_wait_s} s"
+                ) from e
+            await asyncio.sleep(delay)
+            delay = min(delay * 2, 0.5)
+    ctx.awaiting_admission = False  # admitted; a failed or aborted request leaves the queue by ending
+    return reply
 
 
 async def _reserve(
@@ -129,8 +188,7 @@ async def _reserve(
     max_tokens: int,
     prompt: tuple[int, ...] = (),
 ) -> Reservation:
-    """Reserve decode KV; while the decode worker is full, wait (bounded by `admission_wait_s`), then
-    fail with phase `admission`."""
+    """Reserve decode KV on the decode worker (waiting, bounded, while it is full: `_until_admitted`)."""
     settings = ctx.settings
     worker = decision.decode_worker_id
     ctx.enter(Phase.RESERVE, {worker})
@@ -143,35 +201,15 @@ async def _reserve(
         prompt_token_ids=prompt,
         cache_salt=ctx.submit.cache_salt,
     )
-    deadline = time.monotonic() + settings.admission_wait_s
-    delay, deferred = 0.02, False
     t0 = time.perf_counter()
+
+    def reserve() -> Awaitable[Reservation]:
+        ctx.holders.add(worker)
+        return ctx.command(worker, ctx.bus.request(ctx.bus.subjects.worker(worker, "reserve"), req,
+                                                   Reservation, settings.reserve_timeout_s))
+
     with tracer.start_as_current_span("coordinator.reserve"):
-        while True:
-            ctx.holders.add(worker)
-            try:
-                reservation = await ctx.command(
-                    worker,
-                    ctx.bus.request(ctx.bus.subjects.worker(worker, "reserve"), req, Reservation,
-                                    settings.reserve_timeout_s),
-                )
-                break
-            except RejectedError as e:
-                if e.code is not RejectCode.CAPACITY:
-                    raise
-                if not deferred:
-                    deferred = True
-                    metrics.ADMISSION_DEFERRED.labels(worker_id=worker).inc()
-                    await ctx.bus.emit(
-                        ctx.request_id, AdmissionDeferred(decode_worker_id=worker, reason=e.message)
-                    )
-                if time.monotonic() + delay > deadline:
-                    raise PhaseFailed(
-                        Phase.ADMISSION, f"decode {worker} full for {settings.admission_wait_s} s"
-                    ) from e
-                await asyncio.sleep(delay)
-                delay = min(delay * 2, 0.5)
-    ctx.awaiting_admission = False  # admitted; a failed or aborted request leaves the queue by ending
+        reservation = await _until_admitted(ctx, worker, reserve)
     await ctx.bus.emit(
         ctx.request_id,
         DecodeReserved(
@@ -184,44 +222,22 @@ async def _reserve(
     return reservation
 
 
-async def _prefill(
-    ctx: RequestContext,
-    decision: RouteDecision,
-    reservation: Reservation,
-    prompt: tuple[int, ...],
-    start_index: int,
-    stream: bool,
-) -> PrefillResult:
+async def _prefill(ctx: RequestContext, decision: RouteDecision, req: PrefillRequest) -> PrefillResult:
     worker = decision.prefill_worker_id
     ctx.enter(Phase.PREFILL, {worker, decision.decode_worker_id})
     ctx.holders.add(worker)
     with tracer.start_as_current_span("coordinator.prefill"):
         return await ctx.command(
             worker,
-            ctx.bus.request(
-                ctx.bus.subjects.worker(worker, "prefill"),
-                PrefillRequest(
-                    request_id=ctx.request_id,
-                    transfer_id=reservation.transfer_id,
-                    prompt_token_ids=prompt,
-                    sampling=ctx.submit.sampling,
-                    decode_worker_id=decision.decode_worker_id,
-                    endpoint=reservation.endpoint,
-                    decode_num_cached_tokens=reservation.num_cached_tokens,
-                    cache_salt=ctx.submit.cache_salt,
-                    output_start_index=start_index,
-                    stream_first_token=stream,
-                ),
-                PrefillResult,
-                ctx.settings.prefill_timeout_s,
-            ),
+            ctx.bus.request(ctx.bus.subjects.worker(worker, "prefill"), req, PrefillResult,
+                            ctx.settings.prefill_timeout_s),
         )
 
 
 async def _start(
     ctx: RequestContext,
     decision: RouteDecision,
-    reservation: Reservation,
+    transfer_id: str,
     result: PrefillResult,
     prompt: tuple[int, ...],
     start_index: int,
@@ -235,7 +251,7 @@ async def _start(
                 ctx.bus.subjects.worker(worker, "start"),
                 StartDecode(
                     request_id=ctx.request_id,
-                    transfer_id=reservation.transfer_id,
+                    transfer_id=transfer_id,
                     first_token_id=result.first_token_id,
                     prompt_token_ids=prompt,
                     sampling=ctx.submit.sampling,

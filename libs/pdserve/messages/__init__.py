@@ -13,7 +13,7 @@ Subjects (prefix `pds` by default, configurable so tests can share a server):
 | pds.worker.<id>.finished         | DecodeFinished   | Ack               | decode → coordinator    |
 | pds.router.route                 | RouteRequest     | RouteDecision     | coordinator → router    |
 | pds.worker.<id>.reserve          | ReserveRequest   | Reservation       | coordinator → decode    |
-| pds.worker.<id>.prefill          | PrefillRequest   | PrefillResult     | coordinator → prefill   |
+| pds.worker.<id>.prefill          | PrefillRequest   | PrefillResult     | coordinator → prefill * |
 | pds.worker.<id>.start            | StartDecode      | DecodeAdmitted    | coordinator → decode    |
 | pds.worker.<id>.release          | Release          | Ack               | coordinator → workers   |
 | pds.router.booked     (publish)  | RouteBooked      | —                 | router → routers        |
@@ -22,6 +22,9 @@ Subjects (prefix `pds` by default, configurable so tests can share a server):
 | pds.kvdigest.<id>     (publish)  | KVDigest         | —                 | workers → router        |
 | pds.tokens.<request_id> (publish)| TokenChunk       | —                 | decode/coord → gateway  |
 | pds.events.<request_id>.<type>   | events.Event     | JetStream ack     | everyone → recorder     |
+
+* or, for a local placement (prefill and decode on one worker), to that worker, the reservation made in the
+same command (`PrefillRequest.reserve`) instead of by a reserve before it.
 
 One module per counterpart: `common` (the `Message` base, `Role`, `Ack`, `Rejected`), `subjects`,
 `coordinator` (gateway/decode → coordinator, tokens → gateway), `router`, `worker` (coordinator → workers),
@@ -52,9 +55,11 @@ from pdserve.messages.router import (
 )
 from pdserve.messages.subjects import Subjects
 from pdserve.messages.worker import (
+    LOCAL_ENDPOINT,
     DecodeAdmitted,
     KVEndpoint,
     KVTransportKind,
+    LocalReserve,
     PrefillOutcome,
     PrefillRequest,
     PrefillResult,
@@ -83,6 +88,8 @@ __all__ = [
     "KVEndpoint",
     "KVEvents",
     "KVTransportKind",
+    "LOCAL_ENDPOINT",
+    "LocalReserve",
     "Message",
     "PrefillOutcome",
     "PrefillRequest",

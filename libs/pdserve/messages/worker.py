@@ -28,6 +28,11 @@ class KVEndpoint(Message):
     address: str
 
 
+# The endpoint of a reservation no transfer fills: on a worker without a transport (unified), or one that
+# prefills into it itself (a local placement).
+LOCAL_ENDPOINT = KVEndpoint(transport=KVTransportKind.TCP, address="local")
+
+
 class ReserveRequest(Message):
     request_id: str
     transfer_id: str
@@ -50,6 +55,17 @@ class Reservation(Message):
         "whole blocks): the prefill worker sends only the KV of the tokens after them.")
 
 
+class LocalReserve(BaseModel):
+    """A local placement's decode reservation, made by its prefill command (`PrefillRequest.reserve`):
+    the worker holds prompt + `max_tokens` KV slots as a `ReserveRequest` would, expecting no transfer,
+    then prefills into them — the reserve's own round trip saved. `lease_s` as `ReserveRequest.lease_s`."""
+
+    model_config = ConfigDict(frozen=True)
+
+    max_tokens: int = Field(ge=1)
+    lease_s: float = Field(gt=0)
+
+
 class PrefillRequest(Message):
     request_id: str
     transfer_id: str
@@ -67,6 +83,10 @@ class PrefillRequest(Message):
         True, description="Publish the sampled token on pds.tokens.<request_id> at once, before any KV "
         "transfer completes or decode starts (the client's first token; a stop token is never published). "
         "False on a retry, whose first token is the first attempt's.")
+    reserve: LocalReserve | None = Field(
+        None, description="A local placement (decode_worker_id is this worker): reserve the decode KV first, "
+        "in this command; refused with CAPACITY while the worker is full, as a reserve is. The worker emits "
+        "DecodeReserved. None: the reservation was made by a reserve command before.")
 
 
 class PrefillOutcome(BaseModel):

@@ -25,9 +25,8 @@ from pdserve.engine.sequence import Sequence, SequenceStatus
 from pdserve.engine.threads import one_thread
 from pdserve.events import ChecksumMismatch, DecodeStarted, TransferCompleted
 from pdserve.messages import (
+    LOCAL_ENDPOINT,
     DecodeAdmitted,
-    KVEndpoint,
-    KVTransportKind,
     RejectCode,
     Reservation,
     ReserveRequest,
@@ -52,6 +51,14 @@ class DecodeCommands:
                                                initializer=one_thread)
 
     async def reserve(self, req: ReserveRequest) -> Reservation:
+        """The reserve command: hold KV for `req`'s prompt + max_tokens and expect its transfer."""
+        return await self.hold(req, expect_transfer=True)
+
+    async def hold(self, req: ReserveRequest, expect_transfer: bool) -> Reservation:
+        """Hold KV blocks for `req` (its prompt's prefix-cache hit shared) until started or released, and,
+        with `expect_transfer` on a worker with a transport, expect the transfer of the rest. Raises
+        RejectedError: INVALID (a prefill worker, a request that can never fit), CAPACITY (no free blocks
+        now), DUPLICATE (superseded by a newer reserve, or a transfer id already seen)."""
         core = self.core
         if core.role is Role.PREFILL:
             raise RejectedError(RejectCode.INVALID, f"{core.worker_id} is a prefill worker")
@@ -87,15 +94,14 @@ class DecodeCommands:
             core.count_prefix_cache(req.num_prompt_tokens, seq.cached_tokens_by_tier)
         held = ReservedKV(req.request_id, req.transfer_id, seq,
                           lease_deadline=time.monotonic() + req.lease_s)
-        if core.transport is not None:
+        if core.transport is not None and expect_transfer:
             try:
                 held.kv = self._expect(core.transport, req, seq)
             except ValueError as e:
                 await core.free(seq)
                 raise RejectedError(RejectCode.DUPLICATE, str(e)) from e
         core.reserved.add(held)
-        endpoint = (core.transport.endpoint() if core.transport
-                    else KVEndpoint(transport=KVTransportKind.TCP, address="local"))
+        endpoint = core.transport.endpoint() if core.transport and held.kv is not None else LOCAL_ENDPOINT
         return Reservation(
             request_id=req.request_id,
             transfer_id=req.transfer_id,

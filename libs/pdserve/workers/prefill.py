@@ -15,6 +15,7 @@ from __future__ import annotations
 
 import asyncio
 import time
+from collections.abc import Awaitable, Callable
 
 from opentelemetry import propagate, trace
 
@@ -22,12 +23,15 @@ from pdserve.bus import RejectedError
 from pdserve.config import KVTransferMode
 from pdserve.engine.llm_engine import CannotFit
 from pdserve.engine.sequence import Sequence, SequenceStatus
-from pdserve.events import PrefillCompleted, PrefillStarted
+from pdserve.events import DecodeReserved, PrefillCompleted, PrefillStarted
 from pdserve.messages import (
+    LocalReserve,
     PrefillOutcome,
     PrefillRequest,
     PrefillResult,
     RejectCode,
+    Reservation,
+    ReserveRequest,
     Role,
     TokenChunk,
     TokenLogprobs,
@@ -37,11 +41,16 @@ from pdserve.workers.kv_transfer import OutboundKV
 from pdserve.workers.state_transfer import send_state, state_bytes
 
 tracer = trace.get_tracer("pdserve.worker")
+Hold = Callable[[ReserveRequest, bool], Awaitable[Reservation]]  # (request, expect_transfer) → Reservation
 
 
 class PrefillCommands:
-    def __init__(self, core: WorkerCore) -> None:
+    """`hold`: the decode side's reservation (`DecodeCommands.hold`; None on a prefill worker), which a
+    local placement's prefill command makes first when it carries `reserve`."""
+
+    def __init__(self, core: WorkerCore, hold: Hold | None = None) -> None:
         self.core = core
+        self.hold = hold
 
     async def prefill(self, req: PrefillRequest) -> PrefillResult:
         core = self.core
@@ -52,6 +61,8 @@ class PrefillCommands:
             )
         outbound: OutboundKV | None = None
         if local:
+            if req.reserve is not None:
+                await self._reserve_here(req, req.reserve)
             held = core.reserved.get(req.request_id)
             if held is None or held.seq.status is not SequenceStatus.RESERVED:
                 raise RejectedError(
@@ -139,6 +150,21 @@ class PrefillCommands:
                 outcome = outcome.model_copy(update={"kv_bytes": delivered})
         return PrefillResult(request_id=req.request_id, first_token_logprobs=first_logprobs, state_s=state_s,
                              **dict(outcome))
+
+    async def _reserve_here(self, req: PrefillRequest, terms: LocalReserve) -> None:
+        """A local placement's reservation, in its prefill command: held as a reserve command holds it (no
+        transfer expected), `DecodeReserved` emitted here. Raises what `DecodeCommands.hold` raises."""
+        core = self.core
+        if self.hold is None:
+            raise RejectedError(RejectCode.INVALID, f"{core.worker_id} is a prefill worker")
+        t0 = time.perf_counter()
+        reservation = await self.hold(ReserveRequest(
+            request_id=req.request_id, transfer_id=req.transfer_id,
+            num_prompt_tokens=len(req.prompt_token_ids), max_tokens=terms.max_tokens, lease_s=terms.lease_s,
+            prompt_token_ids=req.prompt_token_ids, cache_salt=req.cache_salt), False)
+        await core.bus.emit(req.request_id, DecodeReserved(
+            decode_worker_id=core.worker_id, transfer_id=req.transfer_id, num_tokens=reservation.num_tokens,
+            reserve_s=time.perf_counter() - t0), core.worker_id)
 
     async def _stream_first_token(
         self, req: PrefillRequest, token: int, logprobs: TokenLogprobs | None

@@ -5,7 +5,7 @@ Commands it serves (see `pdserve.messages`), each in the module of its side:
   cache already has, and expect the transfer of the rest.
 - prefill (prefill, or decode/unified for a local prefill; `prefill.py`): run the prompt and, from a
   prefill worker, stream each layer's KV rows the decode worker lacks; the first token returned once every
-  send is delivered.
+  send is delivered. A local prefill reserves its KV in the same command (`PrefillRequest.reserve`).
 - start (decode/unified, `decode.py`): wait until the transfer is verified and in the reserved blocks,
   admit the sequence into the engine's continuous batch, stream tokens.
 - release (all, here): free everything the request holds here; idempotent.
@@ -34,7 +34,8 @@ class Worker:
     ) -> None:
         self.core = WorkerCore(bus, settings, loaded, transport)
         self.decode_commands = DecodeCommands(self.core)
-        self.prefill_commands = PrefillCommands(self.core)
+        self.prefill_commands = PrefillCommands(
+            self.core, self.decode_commands.hold if self.core.role is not Role.PREFILL else None)
         self.heartbeats = Heartbeats(self.core)  # the runtime runs `heartbeats.run()` and `core.loop.run()`
         self.worker_id = self.core.worker_id
 
