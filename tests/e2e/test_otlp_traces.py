@@ -43,16 +43,19 @@ def traced_stack(isolated_settings, tmp_path_factory) -> Iterator[tuple[EnvStack
 
 def trace_of(collector: Rotel, request_id: str, complete: Callable[[list[SpanRecord]], bool],
              timeout_s: float = 20.0) -> list[SpanRecord]:
-    """The request's spans as the collector stored them, once `complete(spans)` (spans arrive in batches)."""
+    """The request's spans as the collector stored them, once `complete(spans)` and none is orphaned: spans
+    arrive in batches, each process's on its own schedule, and a parent (the gateway's HTTP server span,
+    which ends after the last byte) may come in a later batch than its children."""
     deadline = time.monotonic() + timeout_s
     spans: list[SpanRecord] = []
     while time.monotonic() < deadline:
         assert collector.alive(), collector.log_tail()
         spans = spans_of_request(collector.spans(), request_id)
-        if complete(spans):
+        if complete(spans) and not orphans(spans):
             return spans
         time.sleep(0.3)
-    raise AssertionError(f"incomplete trace of {request_id}: {sorted({(s.service, s.name) for s in spans})}")
+    raise AssertionError(f"incomplete trace of {request_id}: {sorted({(s.service, s.name) for s in spans})}, "
+                         f"orphaned {orphans(spans)}")
 
 
 def names(spans: list[SpanRecord]) -> set[str]:
@@ -64,11 +67,15 @@ def one_placement_complete(spans: list[SpanRecord]) -> bool:
             "transfer.verify_checksum", "decode.generate"} <= names(spans)
 
 
+def orphans(spans: list[SpanRecord]) -> list[tuple[str, str]]:
+    """(service, name) of the spans whose parent is not among `spans`."""
+    ids = {s.span_id for s in spans}
+    return [(s.service, s.name) for s in spans if s.parent_span_id and s.parent_span_id not in ids]
+
+
 def check_whole_tree(spans: list[SpanRecord]) -> None:
     assert len({s.trace_id for s in spans}) == 1, "one trace per request"
-    ids = {s.span_id for s in spans}
-    orphans = [(s.service, s.name) for s in spans if s.parent_span_id and s.parent_span_id not in ids]
-    assert not orphans, orphans
+    assert not orphans(spans), orphans(spans)
     roots = [s for s in spans if not s.parent_span_id]  # the gateway's HTTP server span
     assert [r.service for r in roots] == ["pdserve-gateway"], [(r.service, r.name) for r in roots]
 
