@@ -33,7 +33,6 @@ import asyncio
 import contextlib
 import json
 import os
-import platform
 import statistics
 import subprocess
 import sys
@@ -46,7 +45,7 @@ from rich.console import Console
 
 from pdserve.bench.breakdown import fetch_breakdowns
 from pdserve.bench.bus_floor import CRITICAL_PATH_MESSAGES, measure_bus_floor
-from pdserve.bench.compare import code_commit, warm_up
+from pdserve.bench.compare import code_commit, cpu_model, warm_up
 from pdserve.bench.control_plane import PHASES, fetch_worker_prefill_s, request_overheads, summarise
 from pdserve.bench.datasets import random_dataset
 from pdserve.bench.runner import LoadSpec, run_load
@@ -278,7 +277,7 @@ def main() -> int:
     results: dict = {
         "meta": {"command": "python benchmarks/control_plane.py " + " ".join(sys.argv[1:]),
                  "when": time.strftime("%Y-%m-%d %H:%M"),
-                 "machine": f"{platform.machine()}, {os.cpu_count()} cores",
+                 "machine": f"{cpu_model()}, {os.cpu_count()} cores",
                  "commit": code_commit(), "rounds": args.rounds, "num_prompts": args.num_prompts,
                  "input_len": args.input_len, "output_len": args.output_len, "loadavg": os.getloadavg()},
         "servers": list(args.servers), "runs": {str(c): [] for c in args.concurrency},

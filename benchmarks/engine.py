@@ -24,12 +24,12 @@ from __future__ import annotations
 import argparse
 import itertools
 import json
-import platform
 import time
 from pathlib import Path
 
 import torch
 
+from pdserve.bench.compare import cpu_model
 from pdserve.config import ModelSettings
 from pdserve.engine.host_memory import retain_freed_memory
 from pdserve.engine.linear import Linear
@@ -74,17 +74,6 @@ def decode_roofline_s(c: int, roof: dict[str, float], num_params: int, head_para
     prefill = (c * PROMPT_TOKENS * 2 * body + c * 2 * head_params) / roof["gemm_flops"]
     step = max(4 * num_params / roof["bandwidth_bytes_s"], c * 2 * num_params / roof["gemm_flops"])
     return prefill + (OUTPUT_TOKENS - 1) * step
-
-
-def cpu_model() -> str:
-    """The CPU's name from /proc/cpuinfo (MKL's speed, HF's GEMM, depends on the vendor), else the arch."""
-    try:
-        for line in Path("/proc/cpuinfo").read_text().splitlines():
-            if line.startswith("model name"):
-                return line.split(":", 1)[1].strip()
-    except OSError:
-        pass
-    return platform.machine()
 
 
 def prompts(vocab: int, n: int, length: int) -> list[list[int]]:

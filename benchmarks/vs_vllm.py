@@ -36,7 +36,6 @@ import asyncio
 import contextlib
 import json
 import os
-import platform
 import statistics
 import sys
 import time
@@ -50,7 +49,7 @@ import vllm_cpu  # noqa: E402  (benchmarks/peers/vllm_cpu.py)
 from rich.console import Console  # noqa: E402
 
 from pdserve.bench.breakdown import mean_stages_ms  # noqa: E402
-from pdserve.bench.compare import code_commit, warm_up  # noqa: E402
+from pdserve.bench.compare import code_commit, cpu_model, warm_up  # noqa: E402
 from pdserve.bench.serve import ServeConfig, run_serve  # noqa: E402
 from pdserve.bench.sidebyside import cell_figures, pdserve_stack, ratio, round_order  # noqa: E402
 
@@ -260,7 +259,7 @@ def main() -> int:
     results: dict = {
         "meta": {"command": "python benchmarks/vs_vllm.py " + " ".join(sys.argv[1:]),
                  "when": time.strftime("%Y-%m-%d %H:%M"),
-                 "machine": f"{platform.machine()}, {os.cpu_count()} cores",
+                 "machine": f"{cpu_model()}, {os.cpu_count()} cores",
                  "commit": code_commit(), "rounds": args.rounds, "num_prompts": args.num_prompts,
                  "loadavg": os.getloadavg(), "vllm": vllm_cpu.VLLM_VERSION},
         "servers": list(args.servers), "cells": {cell_name(c): [] for c in args.cells}, "breakdown_ms": {},

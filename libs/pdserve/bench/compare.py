@@ -231,6 +231,18 @@ def run_compare(cfg: CompareConfig, out_dir: Path,
     return 0 if all(p["completed"] for p in results["points"]) else 1
 
 
+def cpu_model() -> str:
+    """The CPU's name from /proc/cpuinfo, else the architecture: figures move with it (MKL's GEMM takes a
+    generic path on AMD; an Intel host with AMX runs fp32 GEMMs at other rates), so reports name it."""
+    try:
+        for line in Path("/proc/cpuinfo").read_text().splitlines():
+            if line.startswith("model name"):
+                return line.split(":", 1)[1].strip()
+    except OSError:
+        pass
+    return platform.machine()
+
+
 def code_commit() -> str:
     """The git commit of the pdserve code being measured: `git rev-parse` where the package lives, else
     $PDS_BENCH_COMMIT (set it when measuring an exported snapshot), else 'unknown'."""
