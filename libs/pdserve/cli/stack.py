@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import argparse
 import os
+import shutil
 import signal
 import subprocess
 import sys
@@ -53,6 +54,19 @@ def gateway_healthy(gateway_url: str, timeout_s: float = 1.0) -> bool:
         return False
 
 
+def cli_command() -> str:
+    """How the user runs this CLI again from where they are, for the hints it prints: `pdserve` when that
+    is on PATH, else the path it was started by, relative to the working directory when inside it (`make
+    up` runs `.venv/bin/pdserve`, which nothing puts on PATH unless the virtualenv is activated)."""
+    prog = Path(sys.argv[0])
+    if shutil.which("pdserve") or prog.name != "pdserve":
+        return "pdserve"
+    try:
+        return str(prog.resolve().relative_to(Path.cwd().resolve()))
+    except ValueError:
+        return str(prog)
+
+
 def _failing_services(state: StackState) -> list[str]:
     """The processes to blame when the gateway never became healthy: the ones that died or restarted,
     else the gateway itself."""
@@ -66,7 +80,7 @@ def up(args: argparse.Namespace) -> int:
         if is_alive(state.supervisor):
             console.print(
                 f"pdserve is already running (supervisor pid {state.supervisor_pid}), "
-                f"gateway {state.gateway_url}. `pdserve down` stops it."
+                f"gateway {state.gateway_url}. `{cli_command()} down` stops it."
             )
             return 0
         remove_state(var_dir)  # left by a supervisor that was killed
@@ -142,16 +156,17 @@ def _wait_until_serving(proc: subprocess.Popen, var_dir: Path, supervisor_log: P
         console.print(f"[yellow]note:[/] {note}")
     for name, svc in state.services.items():
         if svc.restarts:
-            console.print(f"[yellow]warning:[/] {name} was restarted {svc.restarts}× (`pdserve logs {name}`)")
+            console.print(f"[yellow]warning:[/] {name} was restarted {svc.restarts}× "
+                          f"(`{cli_command()} logs {name}`)")
     console.print(
         f"[green]pdserve is up[/] ({state.mode}, model {state.model}, {len(state.services)} processes) "
         f"in {time.monotonic() - started:.0f} s"
     )
     console.print(f"  gateway   {state.gateway_url}  (OpenAI API: {state.gateway_url}/v1)")
     console.print(f"  nats      {state.nats_url}\n  database  {state.database_url}")
-    console.print(
-        f"  logs      {var_dir / 'log'}   (`pdserve status`, `pdserve logs \\[service] -f`, `pdserve down`)"
-    )
+    cli = cli_command()
+    console.print(f"  logs      {var_dir / 'log'}   "
+                  f"(`{cli} status`, `{cli} logs \\[service] -f`, `{cli} down`)")
     return 0
 
 
@@ -166,10 +181,9 @@ def _report_timeout(state: StackState | None, var_dir: Path, supervisor_log: Pat
     if not blamed:
         console.print(f"\n{supervisor_log}:")
         console.print(_tail(supervisor_log), markup=False)
-    console.print(
-        "\nThe stack is left running for inspection: `pdserve status`, `pdserve logs <service>`, "
-        "`pdserve down`."
-    )
+    cli = cli_command()
+    console.print(f"\nThe stack is left running for inspection: `{cli} status`, `{cli} logs <service>`, "
+                  f"`{cli} down`.")
 
 
 def down(args: argparse.Namespace) -> int:
