@@ -162,6 +162,17 @@ async def _delete_streams(nats_url: str, name_prefix: str) -> None:
 
 
 @pytest.fixture(scope="session")
+def reference(settings):
+    """(model, tokenizer) of the tiny Llama in this process: the greedy oracle of tiny stacks (its weights
+    are generated from a seeded config, the same in every var dir)."""
+    from pdserve.engine.loader import load_model
+    from pdserve.engine.model import LlamaModel
+
+    loaded = load_model("tiny", settings.var_dir / "weights")
+    return LlamaModel(loaded.config, loaded.weights), loaded.tokenizer
+
+
+@pytest.fixture(scope="session")
 def isolated_settings(settings: CommonSettings, postgres_admin_url: str, run_id: str):
     """`make(name)` → settings with a database, events stream and subject prefix of their own, so a full
     stack (with its own recorder and coordinator) never answers or records another test's traffic."""

@@ -13,8 +13,6 @@ from collections.abc import Iterator
 import httpx
 import pytest
 
-from pdserve.engine.loader import load_model
-from pdserve.engine.model import LlamaModel
 from tests import oracle
 from tests.faults.conftest import EnvStack
 
@@ -37,12 +35,11 @@ def local_stack(isolated_settings, tmp_path_factory) -> Iterator[EnvStack]:
 
 
 @pytest.fixture(scope="module")
-def greedy_text(local_stack):
-    loaded = load_model("tiny", local_stack.settings.var_dir / "weights")
-    model = LlamaModel(loaded.config, loaded.weights)
+def greedy_text(reference):
+    model, tokenizer = reference
 
     def text(prompt: str) -> str:
-        return loaded.tokenizer.decode(oracle.greedy(model, loaded.tokenizer.encode(prompt), MAX_TOKENS))
+        return tokenizer.decode(oracle.greedy(model, tokenizer.encode(prompt), MAX_TOKENS))
 
     return text
 

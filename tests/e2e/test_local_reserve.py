@@ -14,8 +14,6 @@ import httpx
 import pytest
 
 from pdserve.bus import Bus
-from pdserve.engine.loader import load_model
-from pdserve.engine.model import LlamaModel
 from pdserve.messages import ReserveRequest
 from tests import oracle
 from tests.faults.conftest import EnvStack
@@ -41,13 +39,6 @@ def unified_stack(isolated_settings, tmp_path_factory) -> Iterator[EnvStack]:
         yield stack.start()
     finally:
         stack.stop()
-
-
-@pytest.fixture(scope="module")
-def reference(unified_stack):
-    """(model, tokenizer) of the stack's tiny Llama in this process: the greedy oracle."""
-    loaded = load_model("tiny", unified_stack.settings.var_dir / "weights")
-    return LlamaModel(loaded.config, loaded.weights), loaded.tokenizer
 
 
 async def events_of(client: httpx.AsyncClient, rid: str) -> list[dict]:

@@ -56,16 +56,6 @@ class EnvStack(Stack):
 
 
 @pytest.fixture(scope="session")
-def reference(settings):
-    """(model, tokenizer) of the tiny Llama in this process: the greedy oracle."""
-    from pdserve.engine.loader import load_model
-    from pdserve.engine.model import LlamaModel
-
-    loaded = load_model("tiny", settings.var_dir / "weights")
-    return LlamaModel(loaded.config, loaded.weights), loaded.tokenizer
-
-
-@pytest.fixture(scope="session")
 def smollm2_reference(smollm2):
     """(model, tokenizer) of SmolLM2-135M-Instruct in this process: the greedy oracle of SmolLM2 stacks."""
     from pdserve.engine.model import LlamaModel

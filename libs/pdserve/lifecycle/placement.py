@@ -114,9 +114,8 @@ async def place(
             reserve = LocalReserve(max_tokens=max_tokens, lease_s=settings.prefill_timeout_s)
         else:
             reservation = await _reserve(ctx, decision, len(prompt), max_tokens, prompt)
-            transfer_id, endpoint, cached = reservation.transfer_id, reservation.endpoint, \
-                reservation.num_cached_tokens
-            reserve = None
+            transfer_id, endpoint = reservation.transfer_id, reservation.endpoint
+            cached, reserve = reservation.num_cached_tokens, None
         timings["prefill"] = time.time()
         prefill = PrefillRequest(
             request_id=ctx.request_id, transfer_id=transfer_id, prompt_token_ids=prompt,
