@@ -39,3 +39,14 @@ def test_off_path_outside_the_working_directory_the_hint_is_the_path_as_started(
 def test_run_as_a_module_the_hint_is_the_bare_command(started_as) -> None:
     started_as("/some/where/pdserve/cli/__main__.py", on_path=False)
     assert stack.cli_command() == "pdserve"
+
+
+def test_an_unknown_service_is_named_as_typed(tmp_path, capsys) -> None:
+    """`pdserve logs [service]` typed from the hint: the answer shows what was typed, not markup of it."""
+    import argparse
+
+    (tmp_path / "log").mkdir()
+    (tmp_path / "log" / "gateway.log").write_text("")
+    args = argparse.Namespace(var_dir=str(tmp_path), service="[service]", follow=False, lines=10)
+    assert stack.logs(args) == 1
+    assert "no log for '[service]'; known: gateway" in capsys.readouterr().out

@@ -272,7 +272,8 @@ def logs(args: argparse.Namespace) -> int:
     files = _log_files(var_dir, read_state(var_dir))
     if args.service:
         if args.service not in files:
-            console.print(f"no log for {args.service!r}; known: {', '.join(sorted(files)) or 'none'}")
+            known = ", ".join(sorted(files)) or "none"
+            console.print(f"no log for {args.service!r}; known: {known}", markup=False)  # a name is no markup
             return 1
         paths = [files[args.service]]
     else:
