@@ -12,13 +12,18 @@ what a KV transfer packs (`kv_pack`).
 
 from __future__ import annotations
 
+import ctypes
+import functools
+from collections.abc import Callable
 from typing import NamedTuple
 
 import torch
 
+from pdserve.kernels import native
 from pdserve.kernels.attention import causal_attention
 
 K_INDEX, V_INDEX = 0, 1
+NATIVE_MAX_HEAD_DIM, NATIVE_MAX_HEADS = 256, 128  # MAX_HEAD_DIM, MAX_HEADS of csrc/paged_decode_attention.c
 
 
 class PagedAttentionMetadata(NamedTuple):
@@ -28,9 +33,10 @@ class PagedAttentionMetadata(NamedTuple):
     sequence i including its new ones, `query_lens[i]`: its new tokens (rows of q, back to back).
     For the sequences with one new token (decode), attended together in one padded batch:
     `decode_seqs` (their indices; None when every sequence decodes), `decode_rows` [num_decode] int64 (their
-    rows of q), `decode_blocks` [num_decode * decode_max_blocks] int64 (their block ids, flattened),
-    `decode_mask` [num_decode, decode_max_blocks * block_size] fp32 (0 for a key of the context, -inf for
-    the padding past it).
+    rows of q), `decode_lens` [num_decode] int64 (their context lengths), `decode_blocks`
+    [num_decode * decode_max_blocks] int64 (their block ids, flattened, contiguous), `decode_mask`
+    [num_decode, decode_max_blocks * block_size] fp32 (0 for a key of the context, -inf for the padding
+    past it).
     """
 
     block_tables: torch.Tensor
@@ -38,6 +44,7 @@ class PagedAttentionMetadata(NamedTuple):
     query_lens: list[int]
     decode_seqs: list[int] | None
     decode_rows: torch.Tensor
+    decode_lens: torch.Tensor
     decode_blocks: torch.Tensor
     decode_mask: torch.Tensor
 
@@ -68,7 +75,8 @@ def attention_metadata(
         query_lens=query_lens,
         decode_seqs=None if len(decode) == len(query_lens) else decode,
         decode_rows=rows[decode],
-        decode_blocks=tables[:, :max_blocks].reshape(-1),
+        decode_lens=decode_lens,
+        decode_blocks=tables[:, :max_blocks].reshape(-1).contiguous(),
         decode_mask=mask,
     )
 
@@ -105,8 +113,10 @@ def paged_attention(q: torch.Tensor, kv_layer: torch.Tensor, meta: PagedAttentio
     head h // (num_heads // num_kv_heads), as `causal_attention`.
     Returns [num_tokens, num_heads, head_dim] fp32.
 
-    Sequences with one new token (decode) are attended together in one padded, masked batched matmul;
-    sequences with several (prefill chunks) one by one through `causal_attention`.
+    Sequences with one new token (decode) are attended together: by the C kernel reading the blocks in place
+    (csrc/paged_decode_attention.c) where it is built, else in one padded, masked batched matmul over
+    gathered blocks (`torch_decode_attention`); sequences with several (prefill chunks) one by one
+    through `causal_attention`.
     Raises ValueError when the query lengths do not cover q's rows.
     """
     if sum(meta.query_lens) != q.shape[0]:
@@ -126,7 +136,57 @@ def paged_attention(q: torch.Tensor, kv_layer: torch.Tensor, meta: PagedAttentio
 
 
 def _decode_attention(q: torch.Tensor, kv_layer: torch.Tensor, meta: PagedAttentionMetadata) -> torch.Tensor:
-    """One query per decoding sequence: q [batch, num_heads, head_dim]; returns the same shape.
+    """One query per decoding sequence: q [batch, num_heads, head_dim]; returns the same shape."""
+    kernel = native_decode_kernel()
+    batch, num_heads, head_dim = q.shape
+    usable = (kernel is not None and q.device.type == "cpu" and q.dtype == kv_layer.dtype == torch.float32
+              and q.stride(2) == 1 and q.stride(1) == head_dim and kv_layer.is_contiguous()
+              and head_dim <= NATIVE_MAX_HEAD_DIM and num_heads <= NATIVE_MAX_HEADS)
+    if usable:
+        return native_decode_attention(kernel, q, kv_layer, meta)
+    return torch_decode_attention(q, kv_layer, meta)
+
+
+@functools.cache
+def native_decode_kernel() -> Callable[..., int] | None:
+    """The C decode-attention kernel (`native_decode_attention` calls it), built on the first call; None
+    where it cannot be built (kernels/native.py)."""
+    lib = native.load("paged_decode_attention")
+    if lib is None:
+        return None
+    kernel, ptr, i64, f32 = lib.paged_decode_attention, ctypes.c_void_p, ctypes.c_int64, ctypes.c_float
+    # q, q_row_stride, kv, block_tables, table_stride, context_lens, out, batch, num_heads, num_kv_heads,
+    # head_dim, block_size, scale, num_threads (csrc/paged_decode_attention.c)
+    kernel.argtypes = [ptr, i64, ptr, ptr, i64, ptr, ptr, i64, i64, i64, i64, i64, f32, ctypes.c_int]
+    kernel.restype = ctypes.c_int
+    return kernel
+
+
+def native_decode_attention(
+    kernel: Callable[..., int], q: torch.Tensor, kv_layer: torch.Tensor, meta: PagedAttentionMetadata
+) -> torch.Tensor:
+    """`_decode_attention` by the C kernel (csrc/paged_decode_attention.c), on `torch.get_num_threads()`
+    threads: q's rows may be strided (heads contiguous), `kv_layer` contiguous fp32 on the CPU.
+    Raises MemoryError when the kernel cannot allocate its scratch (-1), ValueError for shapes past its
+    limits (-2: head_dim > 256 or more than 128 query heads)."""
+    batch, num_heads, head_dim = q.shape
+    out = torch.empty(batch, num_heads, head_dim, dtype=q.dtype)
+    status = kernel(
+        q.data_ptr(), q.stride(0), kv_layer.data_ptr(), meta.decode_blocks.data_ptr(),
+        meta.decode_blocks.numel() // batch, meta.decode_lens.data_ptr(), out.data_ptr(), batch, num_heads,
+        kv_layer.shape[3], head_dim, kv_layer.shape[1], head_dim**-0.5, torch.get_num_threads(),
+    )
+    if status == -2:
+        raise ValueError(f"head_dim {head_dim} or {num_heads} query heads past the kernel's limits")
+    if status:
+        raise MemoryError("paged_decode_attention could not allocate its scores")
+    return out
+
+
+def torch_decode_attention(
+    q: torch.Tensor, kv_layer: torch.Tensor, meta: PagedAttentionMetadata
+) -> torch.Tensor:
+    """`_decode_attention` in torch ops (any device and dtype): the reference the C kernel is tested against.
 
     The blocks are gathered in one copy straight into a head-major [2, kv_heads, batch * max_blocks,
     block_size, head_dim] layout (`index_select` over a permuted view of the pool), so K and V of each

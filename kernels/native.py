@@ -1,0 +1,97 @@
+"""pdserve's C kernels (kernels/csrc/*.c): compiled for this CPU on first use, cached, loaded with ctypes.
+
+A kernel here is a plain C function over data pointers (no torch headers: a build takes ~1 s, not the
+~1 min of a torch C++ extension), compiled by the machine's C compiler (`CC`, default `cc`) with
+`-O3 -march=native` and OpenMP. The object is compiled with `-ffast-math` (so reductions and `expf`
+vectorize) but linked without it: linked with it, GCC adds crtfastmath.o, whose constructor would switch
+the whole process to flush-denormals-to-zero. The shared object needs `libgomp.so.1`, which the dynamic
+loader resolves to the copy torch already loaded (same soname): the kernel's threads are torch's OpenMP
+team, not a second one.
+
+The cache is `$XDG_CACHE_HOME/pdserve/kernels` (default `~/.cache/pdserve/kernels`), one file per
+(source, flags, compiler, CPU) hash, written under a temporary name and renamed: processes starting together
+build it twice at worst, never load half a file. `load` returns None (and logs why, once) where there is
+no compiler or the build fails, or where `PDS_NATIVE_KERNELS=0`; callers then run their torch path.
+ctypes releases the GIL for the call, so a worker's event loop runs while a kernel computes.
+"""
+
+from __future__ import annotations
+
+import ctypes
+import functools
+import hashlib
+import logging
+import os
+import platform
+import shutil
+import subprocess
+import tempfile
+from pathlib import Path
+
+log = logging.getLogger(__name__)
+
+SOURCE_DIR = Path(__file__).resolve().parent / "csrc"
+COMPILE_FLAGS = ("-O3", "-march=native", "-ffast-math", "-fopenmp", "-fPIC")
+LINK_FLAGS = ("-shared", "-fopenmp", "-lm")
+
+
+def enabled() -> bool:
+    """False when `PDS_NATIVE_KERNELS` is `0` (run every kernel's torch path, e.g. to compare them)."""
+    return os.environ.get("PDS_NATIVE_KERNELS", "1") != "0"
+
+
+def cache_dir() -> Path:
+    return Path(os.environ.get("XDG_CACHE_HOME", Path.home() / ".cache")) / "pdserve" / "kernels"
+
+
+def _cpu_identity() -> str:
+    """The CPU's model and feature flags (what `-march=native` compiles for), from /proc/cpuinfo."""
+    try:
+        lines = Path("/proc/cpuinfo").read_text().splitlines()
+    except OSError:
+        return platform.processor() or platform.machine()
+    keep = [line for line in lines if line.startswith(("model name", "flags"))]
+    return "\n".join(dict.fromkeys(keep)) or platform.machine()
+
+
+def _build(name: str, compiler: str) -> Path:
+    """Compile kernels/csrc/<name>.c into the cache (if not already there); returns the shared object.
+    Raises subprocess.CalledProcessError (with the compiler's output) when the build fails."""
+    source = SOURCE_DIR / f"{name}.c"
+    version = subprocess.run([compiler, "--version"], capture_output=True, text=True, check=True).stdout
+    key = hashlib.sha256(
+        "\0".join((source.read_text(), *COMPILE_FLAGS, *LINK_FLAGS, version, _cpu_identity())).encode()
+    ).hexdigest()[:16]
+    target = cache_dir() / f"{name}-{key}.so"
+    if target.exists():
+        return target
+    target.parent.mkdir(parents=True, exist_ok=True)
+    with tempfile.TemporaryDirectory(dir=target.parent) as tmp:
+        obj, lib = Path(tmp) / f"{name}.o", Path(tmp) / f"{name}.so"
+        for argv in ([compiler, *COMPILE_FLAGS, "-c", str(source), "-o", str(obj)],
+                     [compiler, str(obj), "-o", str(lib), *LINK_FLAGS]):
+            subprocess.run(argv, capture_output=True, text=True, check=True)
+        os.replace(lib, target)
+    log.info("built the %s kernel: %s", name, target)
+    return target
+
+
+@functools.cache
+def load(name: str) -> ctypes.CDLL | None:
+    """The compiled kernel library kernels/csrc/<name>.c for this CPU (built on first use), or None where
+    native kernels are off, there is no C compiler, or the build fails (logged once per name)."""
+    if not enabled():
+        return None
+    requested = os.environ.get("CC", "cc")
+    compiler = shutil.which(requested)
+    if compiler is None:
+        log.warning("no C compiler (CC=%s): the %s kernel runs its torch path", requested, name)
+        return None
+    import torch  # noqa: F401  (loads torch's libgomp first: the kernel's libgomp.so.1 resolves to it)
+
+    try:
+        return ctypes.CDLL(str(_build(name, compiler)))
+    except (OSError, subprocess.CalledProcessError) as exc:
+        detail = getattr(exc, "stderr", "") or exc
+        log.warning("the %s kernel did not build (%s): its torch path runs", name, detail)
+        return None

@@ -1,0 +1,112 @@
+"""The C decode-attention kernel (kernels/csrc/paged_decode_attention.c) against the torch path; its build."""
+
+from __future__ import annotations
+
+import logging
+
+import pytest
+import torch
+
+from pdserve.kernels import native
+from pdserve.kernels.kv_pack import token_slots
+from pdserve.kernels.paged_attention import (
+    attention_metadata,
+    native_decode_attention,
+    native_decode_kernel,
+    paged_attention,
+    store_kv,
+    torch_decode_attention,
+)
+
+BLOCK_SIZE, NUM_BLOCKS = 4, 96
+
+
+def kernel():
+    fn = native_decode_kernel()
+    if fn is None:  # a machine with a C compiler (every one pdserve's README sets up) must build it
+        pytest.fail("the paged decode-attention kernel did not build (see the log)")
+    return fn
+
+
+def filled_pool(context_lens, num_kv_heads, head_dim, g):
+    """A pool with each sequence's KV in shuffled blocks; returns (pool, block tables [seqs, max_blocks])."""
+    pool = torch.randn(NUM_BLOCKS, BLOCK_SIZE, 2, num_kv_heads, head_dim, generator=g)
+    order = torch.randperm(NUM_BLOCKS, generator=g).tolist()
+    width = -(-max(context_lens) // BLOCK_SIZE)
+    tables = torch.zeros(len(context_lens), width, dtype=torch.int64)
+    for i, n in enumerate(context_lens):
+        need = -(-n // BLOCK_SIZE)
+        tables[i, :need] = torch.tensor(order[:need])
+        order = order[need:]
+        k, v = (torch.randn(n, num_kv_heads, head_dim, generator=g) for _ in range(2))
+        store_kv(pool, token_slots(tables[i, :need].tolist(), 0, n, BLOCK_SIZE), k, v)
+    return pool, tables
+
+
+@pytest.mark.parametrize(
+    "context_lens, num_heads, num_kv_heads, head_dim",
+    [
+        ([1], 6, 2, 8),
+        ([4, 5, 17, 1], 6, 2, 8),  # lengths on, past and inside a block boundary
+        ([33, 9], 9, 3, 64),  # SmolLM2's heads
+        ([70, 3, 12], 4, 4, 16),  # no grouping (MHA)
+        ([20], 8, 1, 32),  # one KV head for every query head (MQA)
+    ],
+)
+def test_the_kernel_equals_the_torch_path(context_lens, num_heads, num_kv_heads, head_dim):
+    g = torch.Generator().manual_seed(sum(context_lens) + head_dim)
+    pool, tables = filled_pool(context_lens, num_kv_heads, head_dim, g)
+    meta = attention_metadata(tables, context_lens, [1] * len(context_lens), BLOCK_SIZE)
+    # q as the model passes it: the query heads of a [tokens, q + k + v heads, head_dim] projection (strided)
+    qkv = torch.randn(len(context_lens), num_heads + 2 * num_kv_heads, head_dim, generator=g)
+    q = qkv[:, :num_heads]
+    expected = torch_decode_attention(q.contiguous(), pool, meta)
+    for threads in (1, 2):
+        torch.set_num_threads(threads)
+        try:
+            out = native_decode_attention(kernel(), q, pool, meta)
+        finally:
+            torch.set_num_threads(1)
+        torch.testing.assert_close(out, expected, atol=2e-6, rtol=1e-5)
+
+
+def test_a_mixed_batch_takes_the_kernel_for_its_decode_rows_and_matches_the_torch_path(monkeypatch):
+    g = torch.Generator().manual_seed(5)
+    context_lens, query_lens = [11, 8, 9, 33], [3, 1, 9, 1]
+    pool, tables = filled_pool(context_lens, 2, 8, g)
+    meta = attention_metadata(tables, context_lens, query_lens, BLOCK_SIZE)
+    q = torch.randn(sum(query_lens), 6, 8, generator=g)
+    kernel()
+    with_kernel = paged_attention(q, pool, meta)
+    monkeypatch.setattr("pdserve.kernels.paged_attention.native_decode_kernel", lambda: None)
+    torch.testing.assert_close(with_kernel, paged_attention(q, pool, meta), atol=2e-6, rtol=1e-5)
+
+
+def test_the_build_is_cached_per_source_and_cpu_and_can_be_switched_off(tmp_path, monkeypatch):
+    monkeypatch.setenv("XDG_CACHE_HOME", str(tmp_path))
+    native.load.cache_clear()
+    try:
+        assert native.load("paged_decode_attention") is not None
+        built = list((tmp_path / "pdserve" / "kernels").glob("paged_decode_attention-*.so"))
+        assert len(built) == 1
+        native.load.cache_clear()
+        mtime = built[0].stat().st_mtime_ns
+        assert native.load("paged_decode_attention") is not None
+        assert built[0].stat().st_mtime_ns == mtime  # loaded from the cache, not rebuilt
+        native.load.cache_clear()
+        monkeypatch.setenv("PDS_NATIVE_KERNELS", "0")
+        assert native.load("paged_decode_attention") is None
+    finally:
+        native.load.cache_clear()
+
+
+def test_without_a_compiler_the_kernel_is_absent_and_says_why(tmp_path, monkeypatch, caplog):
+    monkeypatch.setenv("XDG_CACHE_HOME", str(tmp_path))
+    monkeypatch.setenv("CC", "no-such-compiler")
+    native.load.cache_clear()
+    try:
+        with caplog.at_level(logging.WARNING, logger="pdserve.kernels.native"):
+            assert native.load("paged_decode_attention") is None
+        assert "no C compiler" in caplog.text
+    finally:
+        native.load.cache_clear()
