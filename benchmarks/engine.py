@@ -34,8 +34,7 @@ from pdserve.config import ModelSettings
 from pdserve.engine.host_memory import retain_freed_memory
 from pdserve.engine.linear import Linear
 from pdserve.engine.llm_engine import EngineConfig, LLMEngine
-from pdserve.engine.loader import load_model
-from pdserve.engine.model import LlamaModel
+from pdserve.engine.loader import build_model, load_model
 from pdserve.engine.model_files import smollm2_gguf_path
 from pdserve.engine.sequence import Sequence
 from pdserve.messages import SamplingParams
@@ -128,7 +127,7 @@ def main() -> None:
     import transformers
 
     loaded = load_model("smollm2", ModelSettings().weights_cache_dir)
-    model = LlamaModel(loaded.config, loaded.weights)
+    model = build_model(loaded)  # as a worker builds it: GEMV threshold calibrated, C kernels built
     path = smollm2_gguf_path()
     hf = transformers.AutoModelForCausalLM.from_pretrained(
         path.parent, gguf_file=path.name, dtype=torch.float32

@@ -37,8 +37,7 @@ def measure(variant: str, reps: int) -> dict[str, float]:
     from pdserve.config import ModelSettings
     from pdserve.engine.host_memory import retain_freed_memory
     from pdserve.engine.llm_engine import EngineConfig, LLMEngine
-    from pdserve.engine.loader import load_model
-    from pdserve.engine.model import LlamaModel
+    from pdserve.engine.loader import build_model, load_model
     from pdserve.engine.sequence import Sequence
     from pdserve.messages import SamplingParams
 
@@ -46,7 +45,7 @@ def measure(variant: str, reps: int) -> dict[str, float]:
     torch.set_num_threads(2 if variant == "pool threads" else 1)  # the main thread's own team, or none
     retain_freed_memory()
     loaded = load_model("smollm2", ModelSettings().weights_cache_dir)
-    model = LlamaModel(loaded.config, loaded.weights)
+    model = build_model(loaded)  # as a worker builds it: GEMV threshold calibrated, C kernels built
     engine = LLMEngine(model, EngineConfig(num_blocks=1024, max_num_batched_tokens=2048))
     if variant == "pool threads":
         engine.add_request(Sequence("warm", list(range(100, 164)), SamplingParams(max_tokens=1)))
