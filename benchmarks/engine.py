@@ -30,9 +30,9 @@ from pathlib import Path
 import torch
 
 from pdserve.bench.compare import cpu_model
+from pdserve.bench.roofline import DenseModelCost, Roofline, measure_roofline
 from pdserve.config import ModelSettings
 from pdserve.engine.host_memory import retain_freed_memory
-from pdserve.engine.linear import Linear
 from pdserve.engine.llm_engine import EngineConfig, LLMEngine
 from pdserve.engine.loader import build_model, load_model
 from pdserve.engine.model_files import smollm2_gguf_path
@@ -53,25 +53,11 @@ def best_of(reps: int, fn) -> float:
     return min(times)
 
 
-def roofline() -> dict[str, float]:
-    a, b = torch.randn(2048, 2048), torch.randn(2048, 2048)
-    flop = 2 * 2048**3
-    mkl = flop / best_of(3, lambda: a @ b)
-    packed = Linear(b.t())
-    onednn = flop / best_of(3, lambda: packed(a))
-    src = torch.empty(64 << 20)  # 256 MiB fp32
-    dst = torch.empty_like(src)
-    src.fill_(1.0)
-    copy_s = best_of(3, lambda: dst.copy_(src))
-    return {"gemm_flops": max(mkl, onednn), "gemm_flops_matmul": mkl, "gemm_flops_onednn": onednn,
-            "bandwidth_bytes_s": 2 * src.nbytes / copy_s}
-
-
-def decode_roofline_s(c: int, roof: dict[str, float], num_params: int, head_params: int) -> float:
-    """Least time for C prompts of PROMPT_TOKENS to prefill and then decode OUTPUT_TOKENS each (seconds)."""
-    body = num_params - head_params  # the embedding is a lookup: no FLOPs; the (tied) LM head is a GEMM
-    prefill = (c * PROMPT_TOKENS * 2 * body + c * 2 * head_params) / roof["gemm_flops"]
-    step = max(4 * num_params / roof["bandwidth_bytes_s"], c * 2 * num_params / roof["gemm_flops"])
+def decode_roofline_s(c: int, roof: Roofline, cost: DenseModelCost) -> float:
+    """Least time for C prompts of PROMPT_TOKENS to prefill and then decode OUTPUT_TOKENS each (seconds),
+    the prefill and the decode steps one after the other (as this benchmark's engine runs them)."""
+    prefill = c * cost.prefill_flop(PROMPT_TOKENS) / roof.gemm_flops
+    step = max(4 * cost.num_params / roof.bandwidth_bytes_s, c * 2 * cost.num_params / roof.gemm_flops)
     return prefill + (OUTPUT_TOKENS - 1) * step
 
 
@@ -132,10 +118,9 @@ def main() -> None:
     hf = transformers.AutoModelForCausalLM.from_pretrained(
         path.parent, gguf_file=path.name, dtype=torch.float32
     ).eval()
-    roof = roofline()
-    num_params = sum(w.numel() for w in loaded.weights.values())
+    roof = measure_roofline()
+    cost = DenseModelCost.of(loaded)
     vocab = loaded.config.vocab_size
-    head_params = vocab * loaded.config.hidden_size
     decode = []
     for c in args.concurrency:
         batch = prompts(vocab, c, PROMPT_TOKENS)
@@ -143,7 +128,7 @@ def main() -> None:
         engine = LLMEngine(model, EngineConfig(num_blocks=1024, max_num_batched_tokens=2048, max_num_seqs=64))
         e_s = best_of(args.reps, lambda b=batch, e=engine: engine_decode(e, b))
         h_s = best_of(args.reps, lambda b=batch: hf_decode(hf, b))
-        roof_s = decode_roofline_s(c, roof, num_params, head_params)
+        roof_s = decode_roofline_s(c, roof, cost)
         decode.append(
             {
                 "concurrency": c,
@@ -168,8 +153,7 @@ def main() -> None:
                 "hf_tok_s": n / h_s,
                 "ratio": h_s / e_s,
                 # every token through the body, the LM head once (the last token's logits)
-                "roofline_tok_s": n * roof["gemm_flops"]
-                / (2 * (n * (num_params - head_params) + head_params)),
+                "roofline_tok_s": n * roof.gemm_flops / cost.prefill_flop(n),
             }
         )
         print(prefill[-1], flush=True)
@@ -177,8 +161,8 @@ def main() -> None:
         "generated": time.strftime("%Y-%m-%d %H:%M"),
         "machine": f"{cpu_model()}, {torch.get_num_threads()} torch thread",
         "model": loaded.name,
-        "num_params": num_params,
-        "roofline": roof,
+        "num_params": cost.num_params,
+        "roofline": roof.as_dict(),
         "decode": decode,
         "prefill": prefill,
         "prompt_tokens": PROMPT_TOKENS,

@@ -26,6 +26,9 @@ cache hit across rounds), in an order reversed every other round and rotated by 
 (`sidebyside.round_order`). Per server and cell: output tok/s, TTFT p50, TPOT p50, ITL p99 (vLLM's
 definitions, libs/pdserve/bench/metrics.py), each round's value and their median, and pdserve / vLLM per
 round (each round's servers ran minutes apart on the same machine) with the median of those ratios.
+Before any server starts it measures the machine's roofline on every core (libs/pdserve/bench/roofline.py)
+and reports per cell the most output tok/s any server could reach (`serving_ceiling_s`), each server's
+share of it and the share the target asks for.
 Writes vs_vllm.json, .md and .png under `--out`; the JSON is rewritten after every cell.
 """
 
@@ -39,6 +42,7 @@ import os
 import statistics
 import sys
 import time
+from dataclasses import asdict
 from pathlib import Path
 
 import httpx
@@ -50,8 +54,11 @@ from rich.console import Console  # noqa: E402
 
 from pdserve.bench.breakdown import mean_stages_ms  # noqa: E402
 from pdserve.bench.compare import code_commit, cpu_model, warm_up  # noqa: E402
+from pdserve.bench.roofline import DenseModelCost, Roofline, measure_roofline, serving_ceiling_s  # noqa: E402
 from pdserve.bench.serve import ServeConfig, run_serve  # noqa: E402
 from pdserve.bench.sidebyside import cell_figures, pdserve_stack, ratio, round_order  # noqa: E402
+from pdserve.config import ModelSettings  # noqa: E402
+from pdserve.engine.loader import load_model  # noqa: E402
 
 console = Console(highlight=False, soft_wrap=True)
 SERVERS = ("vllm", "colocated", "disaggregated")
@@ -127,6 +134,36 @@ def target_lines(summary: dict) -> list[str]:
     return lines
 
 
+def ceiling_lines(results: dict, summary: dict) -> list[str]:
+    """Per cell: the most output tok/s this machine allows the workload (`roofline.serving_ceiling_s`, from
+    the roofline measured at the start of the run), each server's share of it, and where the target sits."""
+    meta = results["meta"]
+    if "roofline" not in meta:
+        return []
+    roof, cost = Roofline(**meta["roofline"]), DenseModelCost(**meta["model_cost"])
+    servers = [n for n in results["servers"] if n in ("vllm", "colocated", "disaggregated")]
+    lines = ["", "The ceiling: the most output tok/s this machine allows each cell's workload, from its "
+             f"roofline measured at the start of the run on {roof.threads} threads "
+             f"({roof.gemm_flops / 1e9:.0f} GFLOP/s fp32 GEMM, {roof.bandwidth_bytes_s / 1e9:.1f} GB/s copy; "
+             "libs/pdserve/bench/roofline.py): the longer of every FLOP at the GEMM peak and every decode "
+             "step reading all weights at that bandwidth (attention left out, so no server can pass it). "
+             "Each server's output tok/s as a share of it, and the target's:", "",
+             "| cell | ceiling tok/s (× vLLM) | " + " | ".join(servers) + " | target |",
+             "|---|---|" + "---|" * len(servers) + "---|"]
+    for cell, row in summary.items():
+        n_in, n_out, conc = (int(x) for x in cell.split(":"))
+        tokens = meta["num_prompts"] * n_out
+        ceiling = tokens / serving_ceiling_s(roof, cost, meta["num_prompts"], n_in, n_out, conc)
+        vllm = row.get("vllm", {}).get("output_throughput")
+        shares = [f"{row[n]['output_throughput'] / ceiling:.0%}" if row.get(n, {}).get("output_throughput")
+                  else "–" for n in servers]
+        bound = TARGETS["output_throughput"].get(conc)
+        target = f"{bound:.1f}× vLLM = {bound * vllm / ceiling:.0%}" if bound and vllm else "–"
+        vs = f" ({ceiling / vllm:.2f}×)" if vllm else ""
+        lines.append(f"| {cell} | {ceiling:.0f}{vs} | " + " | ".join(shares) + f" | {target} |")
+    return lines
+
+
 def write_reports(results: dict, out: Path) -> list[Path]:
     out.mkdir(parents=True, exist_ok=True)
     summary = summarise(results)
@@ -173,7 +210,8 @@ def write_reports(results: dict, out: Path) -> list[Path]:
                 cells.append(v)
             lines.append(f"| {cell} | {name} | " + " | ".join(cells) + f" | {s['failed']} |")
     lines += ["", "Targets (issue 14) for pdserve colocated against vLLM, measured in this run:", "",
-              "| cell | figure | target | measured | |", "|---|---|---|---|---|", *target_lines(summary)]
+              "| cell | figure | target | measured | |", "|---|---|---|---|---|", *target_lines(summary),
+              *ceiling_lines(results, summary)]
     failures = [f"- {cell} round {i + 1} {n}: {r[n]['failed']} failed ({'; '.join(r[n]['errors'])})"
                 for cell, rounds in results["cells"].items() for i, r in enumerate(rounds)
                 for n in servers if n in r and r[n]["failed"]]
@@ -264,6 +302,11 @@ def main() -> int:
                  "loadavg": os.getloadavg(), "vllm": vllm_cpu.VLLM_VERSION},
         "servers": list(args.servers), "cells": {cell_name(c): [] for c in args.cells}, "breakdown_ms": {},
     }
+    roof = measure_roofline(os.cpu_count())  # before any server is up: the cores both sides serve on
+    cost = DenseModelCost.of(load_model("smollm2", ModelSettings().weights_cache_dir))
+    results["meta"]["roofline"], results["meta"]["model_cost"] = roof.as_dict(), asdict(cost)
+    console.print(f"roofline on {roof.threads} threads: {roof.gemm_flops / 1e9:.0f} GFLOP/s, "
+                  f"{roof.bandwidth_bytes_s / 1e9:.1f} GB/s")
     started = time.monotonic()
     with contextlib.ExitStack() as up:
         urls: dict[str, str] = {}
