@@ -141,7 +141,7 @@ def _decode_attention(q: torch.Tensor, kv_layer: torch.Tensor, meta: PagedAttent
     batch, num_heads, head_dim = q.shape
     usable = (kernel is not None and q.device.type == "cpu" and q.dtype == kv_layer.dtype == torch.float32
               and q.stride(2) == 1 and q.stride(1) == head_dim and kv_layer.is_contiguous()
-              and head_dim <= NATIVE_MAX_HEAD_DIM and num_heads <= NATIVE_MAX_HEADS)
+              and head_dim <= NATIVE_MAX_HEAD_DIM and head_dim % 16 == 0 and num_heads <= NATIVE_MAX_HEADS)
     if usable:
         return native_decode_attention(kernel, q, kv_layer, meta)
     return torch_decode_attention(q, kv_layer, meta)
@@ -168,7 +168,7 @@ def native_decode_attention(
     """`_decode_attention` by the C kernel (csrc/paged_decode_attention.c), on `torch.get_num_threads()`
     threads: q's rows may be strided (heads contiguous), `kv_layer` contiguous fp32 on the CPU.
     Raises MemoryError when the kernel cannot allocate its scratch (-1), ValueError for shapes past its
-    limits (-2: head_dim > 256 or more than 128 query heads)."""
+    limits (-2: head_dim not a multiple of 16 or over 256, or more than 128 query heads)."""
     batch, num_heads, head_dim = q.shape
     out = torch.empty(batch, num_heads, head_dim, dtype=q.dtype)
     status = kernel(
@@ -177,7 +177,7 @@ def native_decode_attention(
         kv_layer.shape[3], head_dim, kv_layer.shape[1], head_dim**-0.5, torch.get_num_threads(),
     )
     if status == -2:
-        raise ValueError(f"head_dim {head_dim} or {num_heads} query heads past the kernel's limits")
+        raise ValueError(f"head_dim {head_dim} or {num_heads} query heads outside the kernel's limits")
     if status:
         raise MemoryError("paged_decode_attention could not allocate its scores")
     return out

@@ -7,9 +7,14 @@
  * context, a block of tokens at a time, so each token's row of the pool (its K and V of every KV head,
  * contiguous) is read once, while it is in cache. This file is pdserve's own, built and loaded by
  * native.py. Per sequence (one work item; OpenMP threads take sequences):
- *   for each block: s_ht = q_h . k_t * scale for every query head h and token t of the block;
- *   m_h' = max(m_h, max_t s_ht); acc_h = acc_h * e^(m_h - m_h') + sum_t e^(s_ht - m_h') v_t;
- *   l_h likewise; at the end out_h = acc_h / l_h.
+ *   for each block, up to 16 tokens at a time, for each KV head and each query head h reading it:
+ *   s_ht = q_h . k_t * scale; m_h' = max(m_h, max_t s_ht);
+ *   acc_h = acc_h * e^(m_h - m_h') + sum_t e^(s_ht - m_h') v_t; l_h likewise; at the end out_h = acc_h / l_h.
+ * Vectors are 16 floats (GCC vector extensions: one zmm with AVX-512); the 16 dot products of a chunk
+ * are reduced together (`sum_lanes16`) rather than one horizontal sum each, and rows of 64 and 128 floats
+ * (the common head sizes) are specialised so a row lives in registers: against a scalar loop over heads
+ * and tokens, 0.61 -> 0.37 of the torch path's time on 8 sequences of 150 keys, two threads, 30 layers'
+ * pools (a decode step's cold KV).
  *
  * Layouts (row-major, fp32 unless said):
  *   q            [batch, num_heads, head_dim], rows q_row_stride floats apart, heads contiguous
@@ -19,8 +24,8 @@
  *   context_lens [batch] int64, >= 1
  *   out          [batch, num_heads, head_dim], contiguous
  * Query head h reads KV head h / (num_heads / num_kv_heads) (GQA, HF's repeat_kv order).
- * Returns 0; -1 when a scratch allocation fails; -2 when head_dim > MAX_HEAD_DIM or
- * num_heads > MAX_HEADS.
+ * Returns 0; -1 when a scratch allocation fails; -2 when head_dim is not a multiple of 16 or exceeds
+ * MAX_HEAD_DIM, or num_heads > MAX_HEADS.
  */
 #include <float.h>
 #include <math.h>
@@ -36,27 +41,85 @@ static void prefetch_block(const float *block, int64_t floats) {
         __builtin_prefetch((const char *)block + byte);
 }
 
+typedef float v16 __attribute__((vector_size(64))); /* one zmm with AVX-512, two ymm with AVX2 */
+typedef int32_t i16 __attribute__((vector_size(64)));
+
+static inline v16 load16(const float *p) {
+    v16 v;
+    memcpy(&v, p, sizeof v);
+    return v;
+}
+
+static inline void store16(float *p, v16 v) { memcpy(p, &v, sizeof v); }
+
+/* Lane t of the result = the sum of x[t]'s 16 lanes: four rounds of folding pairs of vectors into one
+ * (halves of each added, the two results side by side), then the lanes back in order (the rounds leave
+ * vector t's sum in lane bitreverse4(t)). 15 shuffle pairs and adds for 16 dot products, instead of a
+ * horizontal sum each. */
+static inline v16 sum_lanes16(const v16 x[16]) {
+    v16 a[8], b[4], c[2];
+    for (int j = 0; j < 8; j++)
+        a[j] = __builtin_shuffle(x[2 * j], x[2 * j + 1], (i16){0, 1, 2, 3, 4, 5, 6, 7, 16, 17, 18, 19, 20, 21, 22, 23})
+             + __builtin_shuffle(x[2 * j], x[2 * j + 1], (i16){8, 9, 10, 11, 12, 13, 14, 15, 24, 25, 26, 27, 28, 29, 30, 31});
+    for (int j = 0; j < 4; j++)
+        b[j] = __builtin_shuffle(a[2 * j], a[2 * j + 1], (i16){0, 1, 2, 3, 16, 17, 18, 19, 8, 9, 10, 11, 24, 25, 26, 27})
+             + __builtin_shuffle(a[2 * j], a[2 * j + 1], (i16){4, 5, 6, 7, 20, 21, 22, 23, 12, 13, 14, 15, 28, 29, 30, 31});
+    for (int j = 0; j < 2; j++)
+        c[j] = __builtin_shuffle(b[2 * j], b[2 * j + 1], (i16){0, 1, 16, 17, 4, 5, 20, 21, 8, 9, 24, 25, 12, 13, 28, 29})
+             + __builtin_shuffle(b[2 * j], b[2 * j + 1], (i16){2, 3, 18, 19, 6, 7, 22, 23, 10, 11, 26, 27, 14, 15, 30, 31});
+    const v16 d = __builtin_shuffle(c[0], c[1], (i16){0, 16, 2, 18, 4, 20, 6, 22, 8, 24, 10, 26, 12, 28, 14, 30})
+                + __builtin_shuffle(c[0], c[1], (i16){1, 17, 3, 19, 5, 21, 7, 23, 9, 25, 11, 27, 13, 29, 15, 31});
+    return __builtin_shuffle(d, (i16){0, 8, 4, 12, 2, 10, 6, 14, 1, 9, 5, 13, 3, 11, 7, 15});
+}
+
+/* Up to 16 tokens of one KV head against its `group` query heads: scores, online-softmax update of each
+ * query head's (max, sum, acc). `dv` = head_dim / 16 (a constant where the caller is specialised, so the
+ * vectors of a row stay in registers). rows: tokens at token_stride floats apart from k (K) and v (V). */
+static inline __attribute__((always_inline)) void attend_chunk(
+    const int64_t dv, const float *q, const float *k, const float *v, int64_t rows, int64_t token_stride,
+    int64_t group, float scale, float *max_score, float *sum, float *acc) {
+    const int64_t head_dim = dv * 16;
+    for (int64_t g = 0; g < group; g++) {
+        v16 qg[MAX_HEAD_DIM / 16], part[16];
+        for (int64_t i = 0; i < dv; i++) qg[i] = load16(q + g * head_dim + 16 * i);
+        for (int64_t t = 0; t < 16; t++) {
+            v16 dot = {0};
+            if (t < rows)
+                for (int64_t i = 0; i < dv; i++) dot += qg[i] * load16(k + t * token_stride + 16 * i);
+            part[t] = dot;
+        }
+        float s[16], chunk_max = max_score[g];
+        store16(s, sum_lanes16(part) * scale);
+        for (int64_t t = 0; t < rows; t++) chunk_max = s[t] > chunk_max ? s[t] : chunk_max;
+        const float rescale = expf(max_score[g] - chunk_max);
+        float p[16], chunk_sum = 0.0f;
+        for (int64_t t = 0; t < 16; t++) p[t] = expf(s[t] - chunk_max); /* vectorised (libmvec) */
+        for (int64_t t = 0; t < rows; t++) chunk_sum += p[t];
+        sum[g] = sum[g] * rescale + chunk_sum;
+        max_score[g] = chunk_max;
+        v16 a[MAX_HEAD_DIM / 16];
+        for (int64_t i = 0; i < dv; i++) a[i] = load16(acc + g * head_dim + 16 * i) * rescale;
+        for (int64_t t = 0; t < rows; t++)
+            for (int64_t i = 0; i < dv; i++) a[i] += p[t] * load16(v + t * token_stride + 16 * i);
+        for (int64_t i = 0; i < dv; i++) store16(acc + g * head_dim + 16 * i, a[i]);
+    }
+}
+
 /* One sequence's attention; `next_first`: the first block a following work item reads (prefetched while
- * this one's last block computes), or NULL. */
+ * this one's last block computes), or NULL. head_dim is a multiple of 16. */
 static int attend_sequence(const float *q, const float *kv, const int64_t *table, int64_t context_len,
-                           const float *next_first, float *out, int64_t num_heads, int64_t num_kv_heads, int64_t head_dim,
-                           int64_t block_size, float scale) {
+                           const float *next_first, float *out, int64_t num_heads, int64_t num_kv_heads,
+                           int64_t head_dim, int64_t block_size, float scale) {
     const int64_t group = num_heads / num_kv_heads;
     const int64_t token_stride = 2 * num_kv_heads * head_dim; /* one token's K and V of every KV head */
     const int64_t v_offset = num_kv_heads * head_dim;
-    /* scores [num_heads, block_size], then acc [num_heads, head_dim] */
-    float *scores = malloc(sizeof(float) * (size_t)(num_heads * (block_size + head_dim)));
-    if (scores == NULL) return -1;
-    float *acc = scores + num_heads * block_size;
+    float *acc = calloc((size_t)(num_heads * head_dim), sizeof(float));
+    if (acc == NULL) return -1;
     float max_score[MAX_HEADS], sum[MAX_HEADS];
-    int64_t kv_head_of[MAX_HEADS]; /* no division in the loops: a 64-bit divide per head and token cost
-                                      more than the attention's arithmetic */
     for (int64_t h = 0; h < num_heads; h++) {
-        kv_head_of[h] = h / group;
         max_score[h] = -FLT_MAX;
         sum[h] = 0.0f;
     }
-    memset(acc, 0, sizeof(float) * (size_t)(num_heads * head_dim));
     for (int64_t n = 0, b = 0; n < context_len; b++) {
         const int64_t rows = context_len - n < block_size ? context_len - n : block_size;
         const float *block = kv + table[b] * block_size * token_stride;
@@ -64,39 +127,25 @@ static int attend_sequence(const float *q, const float *kv, const int64_t *table
            but the hardware prefetchers stop at page boundaries and the block table jumps anywhere */
         const float *next = n + rows < context_len ? kv + table[b + 1] * block_size * token_stride : next_first;
         if (next != NULL) prefetch_block(next, block_size * token_stride);
-        for (int64_t t = 0; t < rows; t++) {
-            const float *k = block + t * token_stride;
-            for (int64_t h = 0; h < num_heads; h++) {
-                const float *restrict qh = q + h * head_dim, *restrict kh = k + kv_head_of[h] * head_dim;
-                float dot = 0.0f;
-#pragma omp simd reduction(+ : dot)
-                for (int64_t d = 0; d < head_dim; d++) dot += qh[d] * kh[d];
-                scores[h * block_size + t] = dot * scale;
-            }
-        }
-        for (int64_t h = 0; h < num_heads; h++) {
-            float *s = scores + h * block_size, block_max = max_score[h];
-            for (int64_t t = 0; t < rows; t++) block_max = s[t] > block_max ? s[t] : block_max;
-            const float rescale = expf(max_score[h] - block_max);
-            float block_sum = 0.0f;
-            for (int64_t t = 0; t < rows; t++) {
-                s[t] = expf(s[t] - block_max);
-                block_sum += s[t];
-            }
-            sum[h] = sum[h] * rescale + block_sum;
-            max_score[h] = block_max;
-            if (rescale != 1.0f) {
-                float *a = acc + h * head_dim;
-                for (int64_t d = 0; d < head_dim; d++) a[d] *= rescale;
-            }
-        }
-        for (int64_t t = 0; t < rows; t++) {
-            const float *v = block + t * token_stride + v_offset;
-            for (int64_t h = 0; h < num_heads; h++) {
-                const float p = scores[h * block_size + t], *restrict vh = v + kv_head_of[h] * head_dim;
-                float *restrict a = acc + h * head_dim;
-#pragma omp simd
-                for (int64_t d = 0; d < head_dim; d++) a[d] += p * vh[d];
+        for (int64_t t0 = 0; t0 < rows; t0 += 16) {
+            const int64_t chunk = rows - t0 < 16 ? rows - t0 : 16;
+            for (int64_t h = 0; h < num_kv_heads; h++) {
+                const float *k = block + t0 * token_stride + h * head_dim, *v = k + v_offset;
+                const int64_t first = h * group;
+                float *a = acc + first * head_dim;
+                switch (head_dim) { /* specialised for the common head sizes: the row in registers */
+                    case 64:
+                        attend_chunk(4, q + first * 64, k, v, chunk, token_stride, group, scale,
+                                     max_score + first, sum + first, a);
+                        break;
+                    case 128:
+                        attend_chunk(8, q + first * 128, k, v, chunk, token_stride, group, scale,
+                                     max_score + first, sum + first, a);
+                        break;
+                    default:
+                        attend_chunk(head_dim / 16, q + first * head_dim, k, v, chunk, token_stride, group,
+                                     scale, max_score + first, sum + first, a);
+                }
             }
         }
         n += rows;
@@ -105,7 +154,7 @@ static int attend_sequence(const float *q, const float *kv, const int64_t *table
         const float inv = 1.0f / sum[h];
         for (int64_t d = 0; d < head_dim; d++) out[h * head_dim + d] = acc[h * head_dim + d] * inv;
     }
-    free(scores);
+    free(acc);
     return 0;
 }
 
@@ -113,7 +162,7 @@ int paged_decode_attention(const float *q, int64_t q_row_stride, const float *kv
                            const int64_t *block_tables, int64_t table_stride, const int64_t *context_lens,
                            float *out, int64_t batch, int64_t num_heads, int64_t num_kv_heads,
                            int64_t head_dim, int64_t block_size, float scale, int num_threads) {
-    if (head_dim > MAX_HEAD_DIM || num_heads > MAX_HEADS) return -2;
+    if (head_dim > MAX_HEAD_DIM || head_dim % 16 || num_heads > MAX_HEADS) return -2;
     int failed = 0;
 #pragma omp parallel for schedule(dynamic, 1) num_threads(num_threads) if (num_threads > 1) \
     reduction(| : failed)

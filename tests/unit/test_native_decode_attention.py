@@ -46,10 +46,10 @@ def filled_pool(context_lens, num_kv_heads, head_dim, g):
 @pytest.mark.parametrize(
     "context_lens, num_heads, num_kv_heads, head_dim",
     [
-        ([1], 6, 2, 8),
-        ([4, 5, 17, 1], 6, 2, 8),  # lengths on, past and inside a block boundary
+        ([1], 6, 2, 16),
+        ([4, 5, 17, 1], 6, 2, 16),  # lengths on, past and inside a block boundary
         ([33, 9], 9, 3, 64),  # SmolLM2's heads
-        ([70, 3, 12], 4, 4, 16),  # no grouping (MHA)
+        ([70, 3, 12], 4, 4, 128),  # no grouping (MHA), a Llama-sized head
         ([20], 8, 1, 32),  # one KV head for every query head (MQA)
     ],
 )
@@ -70,12 +70,23 @@ def test_the_kernel_equals_the_torch_path(context_lens, num_heads, num_kv_heads,
         torch.testing.assert_close(out, expected, atol=2e-6, rtol=1e-5)
 
 
+def test_a_head_size_the_kernel_does_not_take_runs_the_torch_path():
+    g = torch.Generator().manual_seed(3)
+    pool, tables = filled_pool([9, 4], 2, 8, g)  # head_dim 8: not a multiple of the kernel's 16
+    meta = attention_metadata(tables, [9, 4], [1, 1], BLOCK_SIZE)
+    q = torch.randn(2, 6, 8, generator=g)
+    kernel()
+    with pytest.raises(ValueError, match="head_dim 8"):
+        native_decode_attention(kernel(), q, pool, meta)
+    torch.testing.assert_close(paged_attention(q, pool, meta), torch_decode_attention(q, pool, meta))
+
+
 def test_a_mixed_batch_takes_the_kernel_for_its_decode_rows_and_matches_the_torch_path(monkeypatch):
     g = torch.Generator().manual_seed(5)
     context_lens, query_lens = [11, 8, 9, 33], [3, 1, 9, 1]
-    pool, tables = filled_pool(context_lens, 2, 8, g)
+    pool, tables = filled_pool(context_lens, 2, 16, g)
     meta = attention_metadata(tables, context_lens, query_lens, BLOCK_SIZE)
-    q = torch.randn(sum(query_lens), 6, 8, generator=g)
+    q = torch.randn(sum(query_lens), 6, 16, generator=g)
     kernel()
     with_kernel = paged_attention(q, pool, meta)
     monkeypatch.setattr("pdserve.kernels.paged_attention.native_decode_kernel", lambda: None)
