@@ -3,7 +3,7 @@
 Measured, not looked up (a shared machine's share of its cores and memory is what serving gets): the fp32
 GEMM rate of a 2048² matmul (the best of torch's default MKL path and oneDNN with a prepacked weight, as
 `pdserve.engine.linear` runs it) and the memory bandwidth of a 256 MiB copy (bytes read + written per
-second), each the best of 3, on `threads` torch threads.
+second), each the best of 3 after a warm-up, on `threads` torch threads.
 
 A token costs 2 FLOP per weight it passes (Kaplan et al. 2020, https://arxiv.org/abs/2001.08361: C ≈ 2N
 per token); the embedding is a lookup (no FLOPs), the LM head a GEMM only for the rows sampled from (a
@@ -13,14 +13,12 @@ prompt's last token, every decode token). A decode step reads every weight once 
 from __future__ import annotations
 
 import math
-import time
-from collections.abc import Callable
 from dataclasses import asdict, dataclass
 from typing import TYPE_CHECKING
 
 import torch
 
-from pdserve.engine.linear import Linear
+from pdserve.engine.linear import Linear, best_time_s
 
 if TYPE_CHECKING:
     from pdserve.engine.loader import LoadedModel
@@ -41,15 +39,6 @@ class Roofline:
         return asdict(self)
 
 
-def _best_s(reps: int, fn: Callable[[], object]) -> float:
-    times = []
-    for _ in range(reps):
-        t0 = time.perf_counter()
-        fn()
-        times.append(time.perf_counter() - t0)
-    return min(times)
-
-
 def measure_roofline(threads: int | None = None) -> Roofline:
     """Measure on `threads` torch threads (default: as many as torch has now; restored afterwards).
     ~2 s, ~600 MiB of memory while it runs."""
@@ -59,13 +48,13 @@ def measure_roofline(threads: int | None = None) -> Roofline:
     try:
         a, b = torch.randn(2048, 2048), torch.randn(2048, 2048)
         flop = 2 * 2048**3
-        mkl = flop / _best_s(3, lambda: a @ b)
+        mkl = flop / best_time_s(lambda: a @ b, 3)
         packed = Linear(b.t())
-        onednn = flop / _best_s(3, lambda: packed(a))
+        onednn = flop / best_time_s(lambda: packed(a), 3)
         src = torch.empty(64 << 20)  # 256 MiB fp32
         dst = torch.empty_like(src)
         src.fill_(1.0)
-        copy_s = _best_s(3, lambda: dst.copy_(src))
+        copy_s = best_time_s(lambda: dst.copy_(src), 3)
     finally:
         torch.set_num_threads(before)
     return Roofline(max(mkl, onednn), mkl, onednn, 2 * src.nbytes / copy_s, threads)

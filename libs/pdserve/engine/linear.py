@@ -66,7 +66,8 @@ def fused(*weights: torch.Tensor) -> Linear:
     return Linear(torch.cat(weights, dim=0))
 
 
-def _best_s(fn: Callable[[], torch.Tensor], reps: int) -> float:
+def best_time_s(fn: Callable[[], object], reps: int) -> float:
+    """The fastest of `reps` timed calls of `fn` after one untimed (warm-up) call, seconds."""
     fn()
     times = []
     for _ in range(reps):
@@ -89,8 +90,8 @@ def calibrate_gemv(layer: Linear, reps: int = 5) -> int:
     for m in (1, 2):
         # a generator of its own: the process's torch RNG (sampling seeds) is left as it was
         x = torch.randn(m, layer.in_features, generator=torch.Generator().manual_seed(m))
-        plain = _best_s(lambda x=x: F.linear(x, layer.weight), reps)
-        packed = _best_s(lambda x=x: gemm(x, packed_weight, None, "none", [], ""), reps)
+        plain = best_time_s(lambda x=x: F.linear(x, layer.weight), reps)
+        packed = best_time_s(lambda x=x: gemm(x, packed_weight, None, "none", [], ""), reps)
         if plain >= packed:
             break
         rows = m
