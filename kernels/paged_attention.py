@@ -139,7 +139,8 @@ def _decode_attention(q: torch.Tensor, kv_layer: torch.Tensor, meta: PagedAttent
     """One query per decoding sequence: q [batch, num_heads, head_dim]; returns the same shape."""
     kernel = native_decode_kernel()
     batch, num_heads, head_dim = q.shape
-    usable = (kernel is not None and q.device.type == "cpu" and q.dtype == kv_layer.dtype == torch.float32
+    usable = (kernel is not None and q.device.type == kv_layer.device.type == "cpu"
+              and q.dtype == kv_layer.dtype == torch.float32
               and q.stride(2) == 1 and q.stride(1) == head_dim and kv_layer.is_contiguous()
               and head_dim <= NATIVE_MAX_HEAD_DIM and head_dim % 16 == 0 and num_heads <= NATIVE_MAX_HEADS)
     if usable:
@@ -179,7 +180,7 @@ def native_decode_attention(
     if status == -2:
         raise ValueError(f"head_dim {head_dim} or {num_heads} query heads outside the kernel's limits")
     if status:
-        raise MemoryError("paged_decode_attention could not allocate its scores")
+        raise MemoryError("paged_decode_attention could not allocate its scratch")
     return out
 
 
