@@ -141,7 +141,7 @@ def ceiling_lines(results: dict, summary: dict) -> list[str]:
     if "roofline" not in meta:
         return []
     roof, cost = Roofline(**meta["roofline"]), DenseModelCost(**meta["model_cost"])
-    servers = [n for n in results["servers"] if n in ("vllm", "colocated", "disaggregated")]
+    servers = results["servers"]
     lines = ["", "The ceiling: the most output tok/s this machine allows each cell's workload, from its "
              f"roofline measured at the start of the run on {roof.threads} threads "
              f"({roof.gemm_flops / 1e9:.0f} GFLOP/s fp32 GEMM, {roof.bandwidth_bytes_s / 1e9:.1f} GB/s copy; "

@@ -28,6 +28,8 @@ import subprocess
 import tempfile
 from pathlib import Path
 
+import torch  # noqa: F401  (loaded before any kernel: the kernel's libgomp.so.1 resolves to torch's copy)
+
 log = logging.getLogger(__name__)
 
 SOURCE_DIR = Path(__file__).resolve().parent / "csrc"
@@ -87,8 +89,6 @@ def load(name: str) -> ctypes.CDLL | None:
     if compiler is None:
         log.warning("no C compiler (CC=%s): the %s kernel runs its torch path", requested, name)
         return None
-    import torch  # noqa: F401  (loads torch's libgomp first: the kernel's libgomp.so.1 resolves to it)
-
     try:
         return ctypes.CDLL(str(_build(name, compiler)))
     except (OSError, subprocess.CalledProcessError) as exc:
