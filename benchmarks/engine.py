@@ -115,7 +115,7 @@ def main() -> None:
     import transformers
 
     loaded = load_model("smollm2", ModelSettings().weights_cache_dir)
-    model = build_model(loaded)  # as a worker builds it: GEMV threshold calibrated, C kernels built
+    model = build_model(loaded)  # as a worker builds it: GEMM paths calibrated, C kernels built
     path = smollm2_gguf_path()
     hf = transformers.AutoModelForCausalLM.from_pretrained(
         path.parent, gguf_file=path.name, dtype=torch.float32

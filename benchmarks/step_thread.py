@@ -45,7 +45,7 @@ def measure(variant: str, reps: int) -> dict[str, float]:
     torch.set_num_threads(2 if variant == "pool threads" else 1)  # the main thread's own team, or none
     retain_freed_memory()
     loaded = load_model("smollm2", ModelSettings().weights_cache_dir)
-    model = build_model(loaded)  # as a worker builds it: GEMV threshold calibrated, C kernels built
+    model = build_model(loaded)  # as a worker builds it: GEMM paths calibrated, C kernels built
     engine = LLMEngine(model, EngineConfig(num_blocks=1024, max_num_batched_tokens=2048))
     if variant == "pool threads":
         engine.add_request(Sequence("warm", list(range(100, 164)), SamplingParams(max_tokens=1)))

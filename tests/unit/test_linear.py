@@ -1,6 +1,6 @@
-"""engine/linear.py: both of a layer's paths — MKL's GEMV on the plain weight for one or two rows, oneDNN's
-GEMM on the prepacked weight from three — compute x @ weight.T to fp32 rounding, with and without the
-residual sum, on every row count either side of the switch."""
+"""engine/linear.py: every path of a layer — MKL's `F.linear` on the plain weight, the C kernel for a few
+rows, oneDNN's GEMM on the prepacked weight — computes x @ weight.T to fp32 rounding, with and without the
+residual sum, on every row count either side of the switches; calibration sets a path per row count."""
 
 from __future__ import annotations
 
@@ -9,12 +9,14 @@ import torch
 import torch.nn.functional as F
 
 from pdserve.engine import linear
-from pdserve.engine.linear import Linear, calibrate_gemv, fused
+from pdserve.engine.linear import MKL, ONEDNN, SKINNY, Linear, calibrate_paths, fused
+from pdserve.kernels.skinny_linear import MAX_ROWS
 
 
+@pytest.mark.parametrize("path", [MKL, SKINNY, ONEDNN])
 @pytest.mark.parametrize("rows", [1, 2, 3, 8, 33])
-def test_every_row_count_equals_f_linear_to_fp32_rounding(rows: int, monkeypatch) -> None:
-    monkeypatch.setattr(linear, "_GEMV_ROWS", 2)  # 1-2 rows on F.linear, the others prepacked
+def test_every_path_and_row_count_equals_f_linear_to_fp32_rounding(rows: int, path: str, monkeypatch) -> None:
+    monkeypatch.setattr(linear, "_PATHS", {m: path for m in range(1, MAX_ROWS + 1)})
     g = torch.Generator().manual_seed(rows)
     weight, x, residual = (torch.randn(s, generator=g) for s in ((96, 64), (rows, 64), (rows, 96)))
     layer = Linear(weight)
@@ -28,6 +30,18 @@ def test_every_row_count_equals_f_linear_to_fp32_rounding(rows: int, monkeypatch
     torch.testing.assert_close(layer(wide), F.linear(wide.contiguous(), weight), rtol=1e-5, atol=1e-5)
 
 
+def test_the_c_kernel_path_falls_back_to_onednn_where_it_cannot_take_the_call(monkeypatch) -> None:
+    monkeypatch.setattr(linear, "_PATHS", {m: SKINNY for m in range(1, MAX_ROWS + 1)})
+    g = torch.Generator().manual_seed(0)
+    odd = Linear(torch.randn(32, 24, generator=g))  # in_features not a multiple of 16
+    x = torch.randn(4, 24, generator=g)
+    assert odd._path(x) == ONEDNN
+    torch.testing.assert_close(odd(x), F.linear(x, odd.weight), rtol=1e-5, atol=1e-5)
+    layer = Linear(torch.randn(32, 64, generator=g))
+    column_strided = torch.randn(64, 4, generator=g).T  # rows of x not contiguous
+    assert layer._path(column_strided) == ONEDNN and layer._path(column_strided.contiguous()) == SKINNY
+
+
 def test_fused_is_the_layers_side_by_side() -> None:
     g = torch.Generator().manual_seed(0)
     q, k = torch.randn(32, 16, generator=g), torch.randn(8, 16, generator=g)
@@ -38,12 +52,14 @@ def test_fused_is_the_layers_side_by_side() -> None:
         torch.testing.assert_close(out[:, 32:], F.linear(x, k), rtol=1e-5, atol=1e-5)
 
 
-def test_calibration_sets_a_threshold_of_at_most_two_rows_and_leaves_the_rng_alone(monkeypatch) -> None:
-    monkeypatch.setattr(linear, "_GEMV_ROWS", 2)
+def test_calibration_sets_a_path_for_each_row_count_and_leaves_the_rng_alone(monkeypatch) -> None:
+    monkeypatch.setattr(linear, "_PATHS", {1: MKL, 2: MKL})
     layer = Linear(torch.randn(4096, 256, generator=torch.Generator().manual_seed(0)))
     torch.manual_seed(123)
     want = torch.rand(3)
     torch.manual_seed(123)
-    rows = calibrate_gemv(layer, reps=2)
+    paths = calibrate_paths(layer, reps=2)
     assert torch.equal(torch.rand(3), want)
-    assert rows in (0, 1, 2) and linear._GEMV_ROWS == rows
+    assert sorted(paths) == list(range(1, MAX_ROWS + 1)) and set(paths.values()) <= {MKL, SKINNY, ONEDNN}
+    assert linear._PATHS == paths
+    assert layer._path(torch.zeros(MAX_ROWS + 1, 256)) == ONEDNN  # past the table: always oneDNN

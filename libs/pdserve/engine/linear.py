@@ -1,19 +1,21 @@
-"""Dense layers `y = x @ weight.T` in fp32, through oneDNN with the weight reordered once at load.
+"""Dense layers `y = x @ weight.T` in fp32: each row count on the GEMM this machine runs fastest.
 
-torch's default CPU GEMM is MKL's, and MKL runs a generic code path on this machine's AMD EPYC: measured here
-(torch 2.13, one thread, SmolLM2's layer shapes; `benchmarks/engine.py` prints both GEMM rates each run),
-`F.linear` reaches ~90-100 GFLOP/s at 32 or more rows, while oneDNN with the weight reordered into its own
-blocked layout (`mkldnn._reorder_linear_weight`, what Inductor's CPU freezing pass does) reaches
-170-240 GFLOP/s on the same shapes and results equal to fp32 rounding (max |difference| ~1e-6 relative).
-One prepacked weight serves every row count above the GEMV threshold: the batch-size hint (32) only picks
-oneDNN's blocking. At 1 or 2 rows (a decode step of one or two sequences: a GEMV, bound by reading the
-weights) MKL's `F.linear` on the weight as loaded can be the faster: on an Intel Xeon host a SmolLM2 decode
-step measured 75 → 58 ms at one sequence and 82 → 67 ms at two on one thread (44 → 35, 46 → 38 ms on two),
-and slower from 4 rows (83 → 104 ms). Which is faster depends on the CPU (MKL takes a generic path on AMD),
-so `calibrate_gemv` times both on the model's LM head when the model is built and sets the threshold (0, 1
-or 2 rows) for the process; the plain weight is kept beside the packed one for it (the layer's weights twice
-in memory: +540 MB for SmolLM2 fp32). Where oneDNN is absent (or for a CUDA tensor) the layer is plain
-`F.linear`.
+torch's default CPU GEMM is MKL's, and MKL runs a generic code path on AMD EPYC: measured there (torch 2.13,
+one thread, SmolLM2's layer shapes; `benchmarks/engine.py` prints both GEMM rates each run), `F.linear`
+reaches ~90-100 GFLOP/s at 32 or more rows, while oneDNN with the weight reordered into its own blocked
+layout (`mkldnn._reorder_linear_weight`, what Inductor's CPU freezing pass does) reaches 170-240 GFLOP/s
+on the same shapes and results equal to fp32 rounding (max |difference| ~1e-6 relative). One prepacked
+weight serves every row count: the batch-size hint (32) only picks oneDNN's blocking.
+
+A decode step's GEMMs have as many rows as sequences and are bound by reading the weights, and there the
+best path depends on the CPU: on an Intel Xeon host (two threads, SmolLM2's 30 layers, weights read from
+memory) MKL's `F.linear` streams them at 25 GB/s for one row (oneDNN 19) but 11 GB/s for eight (oneDNN 16),
+and the C kernel kernels/csrc/skinny_linear.c (each weight row read once, times every row of x, with a
+software prefetch 8 KiB ahead) 26 / 21 / 20 GB/s for 1 / 4 / 8 rows; on AMD oneDNN read at 30-35 GB/s.
+So `calibrate_paths` times the three on the model's LM head for 1 to 8 rows when the model is built and
+keeps, per row count, the fastest; more rows always take oneDNN. The plain weight is kept beside the
+packed one for MKL and the C kernel (the layer's weights twice in memory: +540 MB for SmolLM2 fp32).
+Where oneDNN is absent (or for a CUDA tensor) the layer is plain `F.linear`.
 """
 
 from __future__ import annotations
@@ -25,10 +27,14 @@ from collections.abc import Callable
 import torch
 import torch.nn.functional as F
 
+from pdserve.kernels import skinny_linear as skinny
+
 log = logging.getLogger(__name__)
 
 _BATCH_HINT = 32  # rows oneDNN blocks for; measured equal or better than 1 and 512 at every row count here
-_GEMV_ROWS = 2  # at most this many rows go to MKL's F.linear on the plain weight (`calibrate_gemv` sets it)
+MKL, SKINNY, ONEDNN = "mkl", "skinny", "onednn"  # F.linear on the plain weight, the C kernel, oneDNN packed
+# The path of each row count up to skinny.MAX_ROWS (more rows: oneDNN); `calibrate_paths` sets it.
+_PATHS: dict[int, str] = {1: MKL, 2: MKL}
 
 
 def _onednn_usable(weight: torch.Tensor) -> bool:
@@ -38,8 +44,9 @@ def _onednn_usable(weight: torch.Tensor) -> bool:
 
 class Linear:
     """`weight`: [out_features, in_features] fp32 (HF layout, no bias). Calls take `x`: [rows, in_features]
-    and return [rows, out_features] in x's dtype; `x` may be a strided view. `weight` (made contiguous) is
-    kept for calls of at most `_GEMV_ROWS` rows; on the oneDNN path a prepacked copy serves the others.
+    and return [rows, out_features] in x's dtype; `x` may be a strided view. Each row count takes the path
+    `_PATHS` names (oneDNN's on a prepacked copy of `weight` past it); a path that cannot take the call
+    (the C kernel: a row of x not contiguous, in_features not a multiple of 16) falls back to oneDNN.
     """
 
     def __init__(self, weight: torch.Tensor) -> None:
@@ -48,15 +55,28 @@ class Linear:
         self._packed = (torch.ops.mkldnn._reorder_linear_weight(self.weight, _BATCH_HINT)
                         if _onednn_usable(weight) else None)
 
+    def _path(self, x: torch.Tensor) -> str:
+        if self._packed is None:
+            return MKL
+        path = _PATHS.get(x.shape[0], ONEDNN)
+        return ONEDNN if path == SKINNY and not skinny.usable(x, self.weight) else path
+
     def __call__(self, x: torch.Tensor) -> torch.Tensor:
-        if self._packed is not None and x.shape[0] > _GEMV_ROWS:
+        path = self._path(x)
+        if path == ONEDNN:
             return torch.ops.mkldnn._linear_pointwise(x, self._packed, None, "none", [], "")
+        if path == SKINNY:
+            return skinny.skinny_linear(x, self.weight)
         return F.linear(x, self.weight)
 
     def add(self, x: torch.Tensor, residual: torch.Tensor) -> torch.Tensor:
-        """`residual + x @ weight.T` (a new tensor), the sum fused into the GEMM's output on oneDNN."""
-        if self._packed is not None and x.shape[0] > _GEMV_ROWS:
+        """`residual + x @ weight.T` (a new tensor), the sum fused into the GEMM's output on oneDNN and in
+        the C kernel."""
+        path = self._path(x)
+        if path == ONEDNN:
             return torch.ops.mkldnn._linear_pointwise.binary(x, residual, self._packed, None, "add")
+        if path == SKINNY:
+            return skinny.skinny_linear(x, self.weight, residual)
         return torch.add(residual, F.linear(x, self.weight))
 
 
@@ -77,24 +97,27 @@ def best_time_s(fn: Callable[[], object], reps: int) -> float:
     return min(times)
 
 
-def calibrate_gemv(layer: Linear, reps: int = 5) -> int:
-    """Set, for this process, how many rows (0, 1 or 2) every Linear sends to MKL's `F.linear` instead of the
-    prepacked oneDNN GEMM: both timed on `layer` at 1, then 2 rows (best of `reps`), the threshold the row
-    counts at which the plain path won. Give it the LM head: big enough to be read from memory as a decode
-    step reads every weight (SmolLM2's: 113 MB; ~0.3 s in all). Returns the threshold; without oneDNN,
-    leaves it as it is."""
-    global _GEMV_ROWS
+def calibrate_paths(layer: Linear, reps: int = 3) -> dict[int, str]:
+    """Set, for this process, the path (MKL, SKINNY or ONEDNN) of every Linear's calls of 1 to
+    skinny.MAX_ROWS rows: each timed on `layer` (best of `reps`), the fastest kept. Give it the LM head: big
+    enough to be read from memory as a decode step reads every weight (SmolLM2's: 113 MB; ~0.5 s in all).
+    Returns the table; without oneDNN, leaves it as it is."""
+    global _PATHS
     if layer._packed is None:
-        return _GEMV_ROWS
-    rows, packed_weight, gemm = 0, layer._packed, torch.ops.mkldnn._linear_pointwise
-    for m in (1, 2):
+        return dict(_PATHS)
+    packed_weight, gemm = layer._packed, torch.ops.mkldnn._linear_pointwise
+    paths: dict[int, str] = {}
+    for m in range(1, skinny.MAX_ROWS + 1):
         # a generator of its own: the process's torch RNG (sampling seeds) is left as it was
         x = torch.randn(m, layer.in_features, generator=torch.Generator().manual_seed(m))
-        plain = best_time_s(lambda x=x: F.linear(x, layer.weight), reps)
-        packed = best_time_s(lambda x=x: gemm(x, packed_weight, None, "none", [], ""), reps)
-        if plain >= packed:
-            break
-        rows = m
-    _GEMV_ROWS = rows
-    log.info("GEMV threshold: %d rows on MKL's F.linear, more on oneDNN's prepacked GEMM", rows)
-    return rows
+        candidates: dict[str, Callable[[], object]] = {
+            MKL: lambda x=x: F.linear(x, layer.weight),
+            ONEDNN: lambda x=x: gemm(x, packed_weight, None, "none", [], ""),
+        }
+        if skinny.usable(x, layer.weight):
+            candidates[SKINNY] = lambda x=x: skinny.skinny_linear(x, layer.weight)
+        times = {name: best_time_s(fn, reps) for name, fn in candidates.items()}
+        paths[m] = min(times, key=times.__getitem__)
+    _PATHS = paths
+    log.info("GEMM path by rows: %s; more rows: %s", paths, ONEDNN)
+    return dict(paths)

@@ -27,7 +27,7 @@ from pdserve.engine.hf_checkpoint import read_checkpoint
 from pdserve.engine.kimi_linear import KimiLinearModel
 from pdserve.engine.kimi_linear_config import KimiLinearConfig
 from pdserve.engine.kimi_tiny import ensure_kimi_tiny
-from pdserve.engine.linear import calibrate_gemv
+from pdserve.engine.linear import calibrate_paths
 from pdserve.engine.model import LlamaModel
 from pdserve.engine.model_config import LlamaConfig
 from pdserve.engine.model_family import EngineModel
@@ -66,11 +66,11 @@ def build_model(
     loaded: LoadedModel, device: torch.device | str = "cpu", dtype: torch.dtype = torch.float32
 ) -> EngineModel:
     """The engine model of `loaded`'s family (`LlamaModel` or `KimiLinearModel`) on `device` in `dtype`,
-    with the process's GEMV threshold calibrated on its LM head (engine/linear.py) and, on the CPU, the
-    C decode-attention kernel built (kernels/native.py: ~1 s, once per machine) before a step needs it."""
+    with the process's GEMM path per row count calibrated on its LM head (engine/linear.py) and, on the CPU,
+    the C decode-attention kernel built (kernels/native.py: ~1 s, once per machine) before a step needs it."""
     family = KimiLinearModel if isinstance(loaded.config, KimiLinearConfig) else LlamaModel
     model = family(loaded.config, loaded.weights, torch.device(device), dtype)
-    calibrate_gemv(model.lm_head)
+    calibrate_paths(model.lm_head)
     if model.device.type == "cpu":
         native_decode_kernel()
     return model

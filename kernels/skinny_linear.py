@@ -1,0 +1,55 @@
+"""`x @ weight.T (+ residual)` for 1-8 rows of x by the C kernel csrc/skinny_linear.c: a decode step's GEMMs,
+bound by reading the weights, streamed once from the weight as loaded. engine/linear.py takes it for the
+row counts where it measured fastest on this machine (`calibrate_paths`)."""
+
+from __future__ import annotations
+
+import ctypes
+import functools
+from collections.abc import Callable
+
+import torch
+
+from pdserve.kernels import native
+
+MAX_ROWS = 8
+
+
+@functools.cache
+def skinny_kernel() -> Callable[..., int] | None:
+    """The C kernel, built on the first call; None where it cannot be built (kernels/native.py)."""
+    lib = native.load("skinny_linear")
+    if lib is None:
+        return None
+    kernel, ptr, i64 = lib.skinny_linear, ctypes.c_void_p, ctypes.c_int64
+    # x, x_stride, w, n, k, residual (or NULL), out, rows, num_threads (csrc/skinny_linear.c)
+    kernel.argtypes = [ptr, i64, ptr, i64, i64, ptr, ptr, i64, ctypes.c_int]
+    kernel.restype = ctypes.c_int
+    return kernel
+
+
+def usable(x: torch.Tensor, weight: torch.Tensor) -> bool:
+    """Whether the kernel can take `x` [rows, k] against `weight` [n, k]: fp32 on the CPU, 1-8 rows, each
+    row of x contiguous (rows may be strided), `weight` contiguous, k a multiple of 16, and it built."""
+    return (x.dim() == 2 and 1 <= x.shape[0] <= MAX_ROWS and x.stride(1) == 1
+            and x.dtype == weight.dtype == torch.float32 and x.device.type == weight.device.type == "cpu"
+            and weight.is_contiguous() and weight.shape[1] % 16 == 0 and skinny_kernel() is not None)
+
+
+def skinny_linear(x: torch.Tensor, weight: torch.Tensor,
+                  residual: torch.Tensor | None = None) -> torch.Tensor:
+    """`residual + x @ weight.T` (`residual` [rows, n] contiguous, or None for none) as a new [rows, n] fp32
+    tensor, on `torch.get_num_threads()` threads. Call only where `usable(x, weight)`; raises ValueError
+    when the kernel refuses the shapes."""
+    kernel = skinny_kernel()
+    assert kernel is not None
+    rows, (n, k) = x.shape[0], weight.shape
+    out = torch.empty(rows, n, dtype=torch.float32)
+    if residual is not None:
+        residual = residual.contiguous()
+    status = kernel(x.data_ptr(), x.stride(0), weight.data_ptr(), n, k,
+                    residual.data_ptr() if residual is not None else None, out.data_ptr(), rows,
+                    torch.get_num_threads())
+    if status:
+        raise ValueError(f"skinny_linear refused {rows} rows of {k} against {n} outputs")
+    return out
