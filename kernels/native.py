@@ -61,8 +61,9 @@ def _build(name: str, compiler: str) -> Path:
     Raises subprocess.CalledProcessError (with the compiler's output) when the build fails."""
     source = SOURCE_DIR / f"{name}.c"
     version = subprocess.run([compiler, "--version"], capture_output=True, text=True, check=True).stdout
+    texts = [source.read_text(), *(h.read_text() for h in sorted(SOURCE_DIR.glob("*.h")))]  # the headers too
     key = hashlib.sha256(
-        "\0".join((source.read_text(), *COMPILE_FLAGS, *LINK_FLAGS, version, _cpu_identity())).encode()
+        "\0".join((*texts, *COMPILE_FLAGS, *LINK_FLAGS, version, _cpu_identity())).encode()
     ).hexdigest()[:16]
     target = cache_dir() / f"{name}-{key}.so"
     if target.exists():

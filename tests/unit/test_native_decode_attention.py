@@ -111,6 +111,24 @@ def test_the_build_is_cached_per_source_and_cpu_and_can_be_switched_off(tmp_path
         native.load.cache_clear()
 
 
+def test_a_changed_header_builds_the_kernel_anew(tmp_path, monkeypatch):
+    source = tmp_path / "csrc"
+    source.mkdir()
+    (source / "two.h").write_text("#define TWO 2\n")
+    (source / "twice.c").write_text('#include "two.h"\nint twice(int x) { return TWO * x; }\n')
+    monkeypatch.setattr(native, "SOURCE_DIR", source)
+    monkeypatch.setenv("XDG_CACHE_HOME", str(tmp_path / "cache"))
+    native.load.cache_clear()
+    try:
+        assert native.load("twice").twice(21) == 42
+        (source / "two.h").write_text("#define TWO 3\n")  # only the header changes
+        native.load.cache_clear()
+        assert native.load("twice").twice(21) == 63
+        assert len(list((tmp_path / "cache" / "pdserve" / "kernels").glob("twice-*.so"))) == 2
+    finally:
+        native.load.cache_clear()
+
+
 def test_without_a_compiler_the_kernel_is_absent_and_says_why(tmp_path, monkeypatch, caplog):
     monkeypatch.setenv("XDG_CACHE_HOME", str(tmp_path))
     monkeypatch.setenv("CC", "no-such-compiler")
