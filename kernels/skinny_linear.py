@@ -28,12 +28,23 @@ def skinny_kernel() -> Callable[..., int] | None:
     return kernel
 
 
-def usable(x: torch.Tensor, weight: torch.Tensor) -> bool:
-    """Whether the kernel can take `x` [rows, k] against `weight` [n, k]: fp32 on the CPU, 1-8 rows, each
-    row of x contiguous (rows may be strided), `weight` contiguous, k a multiple of 16, and it built."""
-    return (x.dim() == 2 and 1 <= x.shape[0] <= MAX_ROWS and x.stride(1) == 1
-            and x.dtype == weight.dtype == torch.float32 and x.device.type == weight.device.type == "cpu"
+def takes_weight(weight: torch.Tensor) -> bool:
+    """Whether the kernel can take `weight` [n, k] (whatever x): contiguous fp32 on the CPU, k a multiple of
+    16, and the kernel built. A layer asks once, at load."""
+    return (weight.dim() == 2 and weight.dtype == torch.float32 and weight.device.type == "cpu"
             and weight.is_contiguous() and weight.shape[1] % 16 == 0 and skinny_kernel() is not None)
+
+
+def takes_rows(x: torch.Tensor) -> bool:
+    """Whether the kernel can take `x` [rows, k] against a weight it takes: fp32 on the CPU, 1-8 rows, each
+    row contiguous (rows may be strided)."""
+    return (x.dim() == 2 and 1 <= x.shape[0] <= MAX_ROWS and x.stride(1) == 1
+            and x.dtype == torch.float32 and x.device.type == "cpu")
+
+
+def usable(x: torch.Tensor, weight: torch.Tensor) -> bool:
+    """Whether the kernel can take `x` [rows, k] against `weight` [n, k] (`takes_weight` and `takes_rows`)."""
+    return takes_weight(weight) and takes_rows(x)
 
 
 def skinny_linear(x: torch.Tensor, weight: torch.Tensor,

@@ -54,12 +54,13 @@ class Linear:
         self.weight = weight.contiguous()
         self._packed = (torch.ops.mkldnn._reorder_linear_weight(self.weight, _BATCH_HINT)
                         if _onednn_usable(weight) else None)
+        self._skinny = skinny.takes_weight(self.weight)  # the C kernel's weight checks, once
 
     def _path(self, x: torch.Tensor) -> str:
         if self._packed is None:
             return MKL
         path = _PATHS.get(x.shape[0], ONEDNN)
-        return ONEDNN if path == SKINNY and not skinny.usable(x, self.weight) else path
+        return ONEDNN if path == SKINNY and not (self._skinny and skinny.takes_rows(x)) else path
 
     def __call__(self, x: torch.Tensor) -> torch.Tensor:
         path = self._path(x)
@@ -114,7 +115,7 @@ def calibrate_paths(layer: Linear, reps: int = 3) -> dict[int, str]:
             MKL: lambda x=x: F.linear(x, layer.weight),
             ONEDNN: lambda x=x: gemm(x, packed_weight, None, "none", [], ""),
         }
-        if skinny.usable(x, layer.weight):
+        if layer._skinny and skinny.takes_rows(x):
             candidates[SKINNY] = lambda x=x: skinny.skinny_linear(x, layer.weight)
         times = {name: best_time_s(fn, reps) for name, fn in candidates.items()}
         paths[m] = min(times, key=times.__getitem__)
