@@ -7,6 +7,7 @@ previous one, who emits nothing after it) and each output token index committed 
 from __future__ import annotations
 
 import asyncio
+import signal
 import time
 from collections import Counter
 from collections.abc import Iterator
@@ -78,16 +79,24 @@ async def test_kill_one_of_two_coordinators_and_one_of_two_routers_every_request
     killed: dict[str, str] = {}
 
     def fault() -> None:
-        # Polled until some request is owned: the prompt just submitted may not have reached a coordinator
-        # yet and the earlier ones may have ended (the tiny model decodes 96 tokens in well under a second)
+        # The coordinator owning most requests is frozen (SIGSTOP), and killed only if it still owns one:
+        # a request it held may end between reading the leases and the kill (the tiny model decodes 96
+        # tokens in well under a second), and a coordinator killed owning nothing leaves nothing to take over
         deadline = time.monotonic() + 20
-        while not (owners := asyncio.run(lease_holders(ha_stack.settings))) and time.monotonic() < deadline:
-            time.sleep(0.02)
-        assert owners, "no request was owned by a coordinator during the load"
-        holder, _ = owners.most_common(1)[0]
-        killed["holder"] = holder
-        ha_stack.kill(holder.rsplit(".", 1)[0])  # the process name: coordinator or coordinator-1
-        ha_stack.kill("router-1")
+        while time.monotonic() < deadline:
+            if not (owners := asyncio.run(lease_holders(ha_stack.settings))):
+                time.sleep(0.02)
+                continue
+            holder, _ = owners.most_common(1)[0]
+            name = holder.rsplit(".", 1)[0]  # the process name: coordinator or coordinator-1
+            ha_stack.procs[name].send_signal(signal.SIGSTOP)
+            if asyncio.run(lease_holders(ha_stack.settings))[holder]:
+                killed["holder"] = holder
+                ha_stack.kill(name)
+                ha_stack.kill("router-1")
+                return
+            ha_stack.procs[name].send_signal(signal.SIGCONT)
+        raise AssertionError("no coordinator owned a request in flight during the load")
 
     results = await asyncio.to_thread(run_load, ha_stack.url, PROMPTS, MAX_TOKENS, fault, stagger_s=0.3,
                                       during_at=3)
