@@ -1,12 +1,12 @@
 """pdserve's C kernels (kernels/csrc/*.c): compiled for this CPU on first use, cached, loaded with ctypes.
 
-A kernel here is a plain C function over data pointers (no torch headers: a build takes ~1 s, not the
-~1 min of a torch C++ extension), compiled by the machine's C compiler (`CC`, default `cc`) with
-`-O3 -march=native` and OpenMP. The object is compiled with `-ffast-math` (so reductions and `expf`
-vectorize) but linked without it: linked with it, GCC adds crtfastmath.o, whose constructor would switch
-the whole process to flush-denormals-to-zero. The shared object needs `libgomp.so.1`, which the dynamic
-loader resolves to the copy torch already loaded (same soname): the kernel's threads are torch's OpenMP
-team, not a second one.
+A kernel here is a plain C function over data pointers (no torch headers: a build takes ~1 s, not the ~1 min
+of a torch C++ extension), compiled by the machine's C compiler (`CC`, default `cc`) with `-O3 -march=native`
+and OpenMP. The object is compiled with `-ffast-math` (so reductions vectorize; e^x is csrc/vec16.h's `exp16`,
+as GCC leaves `expf` in an unrolled loop as scalar calls) but linked without it: linked with it, GCC adds
+crtfastmath.o, whose constructor would switch the whole process to flush-denormals-to-zero. The shared object
+needs `libgomp.so.1`, which the dynamic loader resolves to the copy torch already loaded (same soname): the
+kernel's threads are torch's OpenMP team, not a second one.
 
 The cache is `$XDG_CACHE_HOME/pdserve/kernels` (default `~/.cache/pdserve/kernels`), one file per
 (source, flags, compiler, CPU) hash, written under a temporary name and renamed: processes starting together

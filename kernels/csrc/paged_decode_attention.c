@@ -28,7 +28,6 @@
  * MAX_HEAD_DIM, or num_heads > MAX_HEADS.
  */
 #include <float.h>
-#include <math.h>
 #include <stdint.h>
 #include <stdlib.h>
 #include <string.h>
@@ -59,14 +58,14 @@ static inline __attribute__((always_inline)) void attend_chunk(
                 for (int64_t i = 0; i < dv; i++) dot += qg[i] * load16(k + t * token_stride + 16 * i);
             part[t] = dot;
         }
-        float s[16], chunk_max = max_score[g];
-        store16(s, sum_lanes16(part) * scale);
-        for (int64_t t = 0; t < rows; t++) chunk_max = s[t] > chunk_max ? s[t] : chunk_max;
-        const float rescale = expf(max_score[g] - chunk_max);
-        float p[16], chunk_sum = 0.0f;
-        for (int64_t t = 0; t < 16; t++) p[t] = expf(s[t] - chunk_max); /* vectorised (libmvec) */
-        for (int64_t t = 0; t < rows; t++) chunk_sum += p[t];
-        sum[g] = sum[g] * rescale + chunk_sum;
+        const i16 seen = (i16){0, 1, 2, 3, 4, 5, 6, 7, 8, 9, 10, 11, 12, 13, 14, 15} < (i16){0} + (int32_t)rows;
+        const v16 s = select16(seen, sum_lanes16(part) * scale, (v16){0} - FLT_MAX);
+        const float chunk_max = hmax16(max16(s, (v16){0} + max_score[g]))[0];
+        const float rescale = exp16((v16){0} + (max_score[g] - chunk_max))[0];
+        const v16 e = select16(seen, exp16(s - chunk_max), (v16){0});
+        float p[16];
+        store16(p, e);
+        sum[g] = sum[g] * rescale + hsum16(e)[0];
         max_score[g] = chunk_max;
         v16 a[MAX_HEAD_DIM / 16];
         for (int64_t i = 0; i < dv; i++) a[i] = load16(acc + g * head_dim + 16 * i) * rescale;

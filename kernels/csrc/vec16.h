@@ -37,4 +37,49 @@ static inline v16 sum_lanes16(const v16 x[16]) {
     return __builtin_shuffle(d, (i16){0, 8, 4, 12, 2, 10, 6, 14, 1, 9, 5, 13, 3, 11, 7, 15});
 }
 
+/* e^x in every lane, for x <= 88.7 (above: inf's neighbourhood is clamped to e^88.7); lanes under
+ * -87.3 give 2^-126 (the least normal float, ~1e-38), not 0: callers that need an exact 0 (a masked
+ * score) select it. Cephes' expf (S. Moshier, http://www.netlib.org/cephes/): x = n ln2 + r with
+ * n = round(x log2 e) and ln2 split in two constants so r is exact, |r| <= ln2/2, e^r from a degree-7
+ * polynomial, 2^n put into the exponent bits; within ~2 ulp of libm's expf over that range. GCC leaves
+ * expf in a fully unrolled 16-lane loop as 16 scalar calls (the SLP vectoriser does not use libmvec). */
+static inline v16 select16(i16 mask, v16 a, v16 b) { /* a where mask lanes are -1, else b */
+    return (v16)(((i16)a & mask) | ((i16)b & ~mask));
+}
+
+static inline v16 max16(v16 a, v16 b) { return select16(a > b, a, b); }
+
+/* Every lane of the result = the max (hmax16) or the sum (hsum16) of x's 16 lanes: four rounds of
+ * combining x with itself rotated by 8, 4, 2, 1 lanes, rather than a 16-step scalar chain. */
+static inline v16 hmax16(v16 x) {
+    x = max16(x, __builtin_shuffle(x, (i16){8, 9, 10, 11, 12, 13, 14, 15, 0, 1, 2, 3, 4, 5, 6, 7}));
+    x = max16(x, __builtin_shuffle(x, (i16){4, 5, 6, 7, 0, 1, 2, 3, 12, 13, 14, 15, 8, 9, 10, 11}));
+    x = max16(x, __builtin_shuffle(x, (i16){2, 3, 0, 1, 6, 7, 4, 5, 10, 11, 8, 9, 14, 15, 12, 13}));
+    return max16(x, __builtin_shuffle(x, (i16){1, 0, 3, 2, 5, 4, 7, 6, 9, 8, 11, 10, 13, 12, 15, 14}));
+}
+
+static inline v16 hsum16(v16 x) {
+    x += __builtin_shuffle(x, (i16){8, 9, 10, 11, 12, 13, 14, 15, 0, 1, 2, 3, 4, 5, 6, 7});
+    x += __builtin_shuffle(x, (i16){4, 5, 6, 7, 0, 1, 2, 3, 12, 13, 14, 15, 8, 9, 10, 11});
+    x += __builtin_shuffle(x, (i16){2, 3, 0, 1, 6, 7, 4, 5, 10, 11, 8, 9, 14, 15, 12, 13});
+    return x + __builtin_shuffle(x, (i16){1, 0, 3, 2, 5, 4, 7, 6, 9, 8, 11, 10, 13, 12, 15, 14});
+}
+
+static inline v16 exp16(v16 x) {
+    const v16 top = (v16){0} + 88.7228317f, bottom = (v16){0} - 87.3365479f;
+    x = select16(x > top, top, select16(x < bottom, bottom, x));
+    const v16 fx = x * 1.44269504088896341f + 0.5f;
+    i16 n = __builtin_convertvector(fx, i16);  /* truncated toward 0 */
+    n += __builtin_convertvector(n, v16) > fx; /* -1 where that rounded up: floor */
+    const v16 nf = __builtin_convertvector(n, v16);
+    x = x - nf * 0.693359375f + nf * 2.12194440e-4f;
+    v16 y = 1.9875691500e-4f * x + 1.3981999507e-3f;
+    y = y * x + 8.3334519073e-3f;
+    y = y * x + 4.1665795894e-2f;
+    y = y * x + 1.6666665459e-1f;
+    y = y * x + 5.0000001201e-1f;
+    y = y * x * x + x + 1.0f;
+    return y * (v16)((n + 127) << 23);
+}
+
 #endif
