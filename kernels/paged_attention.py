@@ -115,8 +115,9 @@ def paged_attention(q: torch.Tensor, kv_layer: torch.Tensor, meta: PagedAttentio
 
     Sequences with one new token (decode) are attended together: by the C kernel reading the blocks in place
     (csrc/paged_decode_attention.c) where it is built, else in one padded, masked batched matmul over
-    gathered blocks (`torch_decode_attention`); sequences with several (prefill chunks) one by one
-    through `causal_attention`.
+    gathered blocks (`torch_decode_attention`); sequences with several (prefill chunks) one by one, by the
+    C kernel reading the blocks in place (csrc/paged_prefill_attention.c) where it is built, else through
+    `causal_attention` over gathered blocks.
     Raises ValueError when the query lengths do not cover q's rows.
     """
     if sum(meta.query_lens) != q.shape[0]:
@@ -124,9 +125,13 @@ def paged_attention(q: torch.Tensor, kv_layer: torch.Tensor, meta: PagedAttentio
     if meta.decode_seqs is None:  # a pure decode step: no rows to pick out or scatter back
         return _decode_attention(q, kv_layer, meta)
     out = torch.empty_like(q)
+    prefill = native_prefill_kernel() if _native_usable(q, kv_layer) else None
     start = 0
     for i, n in enumerate(meta.query_lens):
-        if n > 1:
+        if n > 1 and prefill is not None:
+            native_prefill_attention(prefill, q[start : start + n], kv_layer, meta.block_tables[i],
+                                     meta.context_lens[i], out[start : start + n])
+        elif n > 1:
             kv = gather_sequence_kv(kv_layer, meta.block_tables[i], meta.context_lens[i])
             out[start : start + n] = causal_attention(q[start : start + n], kv[:, K_INDEX], kv[:, V_INDEX])
         start += n
@@ -137,15 +142,19 @@ def paged_attention(q: torch.Tensor, kv_layer: torch.Tensor, meta: PagedAttentio
 
 def _decode_attention(q: torch.Tensor, kv_layer: torch.Tensor, meta: PagedAttentionMetadata) -> torch.Tensor:
     """One query per decoding sequence: q [batch, num_heads, head_dim]; returns the same shape."""
-    kernel = native_decode_kernel()
-    batch, num_heads, head_dim = q.shape
-    usable = (kernel is not None and q.device.type == kv_layer.device.type == "cpu"
-              and q.dtype == kv_layer.dtype == torch.float32
-              and q.stride(2) == 1 and q.stride(1) == head_dim and kv_layer.is_contiguous()
-              and head_dim <= NATIVE_MAX_HEAD_DIM and head_dim % 16 == 0 and num_heads <= NATIVE_MAX_HEADS)
-    if usable:
+    kernel = native_decode_kernel() if _native_usable(q, kv_layer) else None
+    if kernel is not None and q.shape[1] <= NATIVE_MAX_HEADS:
         return native_decode_attention(kernel, q, kv_layer, meta)
     return torch_decode_attention(q, kv_layer, meta)
+
+
+def _native_usable(q: torch.Tensor, kv_layer: torch.Tensor) -> bool:
+    """Whether the C kernels can read q ([tokens, heads, head_dim]) and `kv_layer` as they are: fp32 on the
+    CPU, q's heads contiguous within a row, the pool contiguous, head_dim a multiple of 16 up to 256."""
+    head_dim = q.shape[2]
+    return (q.device.type == kv_layer.device.type == "cpu" and q.dtype == kv_layer.dtype == torch.float32
+            and q.stride(2) == 1 and q.stride(1) == head_dim and kv_layer.is_contiguous()
+            and head_dim <= NATIVE_MAX_HEAD_DIM and head_dim % 16 == 0)
 
 
 @functools.cache
@@ -163,6 +172,38 @@ def native_decode_kernel() -> Callable[..., int] | None:
     return kernel
 
 
+@functools.cache
+def native_prefill_kernel() -> Callable[..., int] | None:
+    """The C prefill-attention kernel (`native_prefill_attention` calls it), built on the first call; None
+    where it cannot be built (kernels/native.py)."""
+    lib = native.load("paged_prefill_attention")
+    if lib is None:
+        return None
+    kernel, ptr, i64, f32 = lib.paged_prefill_attention, ctypes.c_void_p, ctypes.c_int64, ctypes.c_float
+    # q, q_row_stride, kv, block_table, num_tokens, context_len, out, num_heads, num_kv_heads, head_dim,
+    # block_size, scale, num_threads (csrc/paged_prefill_attention.c)
+    kernel.argtypes = [ptr, i64, ptr, ptr, i64, i64, ptr, i64, i64, i64, i64, f32, ctypes.c_int]
+    kernel.restype = ctypes.c_int
+    return kernel
+
+
+def native_prefill_attention(kernel: Callable[..., int], q: torch.Tensor, kv_layer: torch.Tensor,
+                             block_table: torch.Tensor, context_len: int, out: torch.Tensor) -> None:
+    """One sequence's causal attention of its `num_tokens` new tokens (q [num_tokens, num_heads, head_dim],
+    rows may be strided, heads contiguous) over its `context_len` keys, read in place through
+    `block_table` ([>= ceil(context_len / block_size)] int64, contiguous) by the C kernel
+    (csrc/paged_prefill_attention.c) on `torch.get_num_threads()` threads, written into `out` (a contiguous
+    [num_tokens, num_heads, head_dim] fp32 view). Raises MemoryError when the kernel cannot allocate its
+    scratch (-1), ValueError for shapes it does not take (-2)."""
+    num_tokens, num_heads, head_dim = q.shape
+    status = kernel(
+        q.data_ptr(), q.stride(0), kv_layer.data_ptr(), block_table.data_ptr(), num_tokens, context_len,
+        out.data_ptr(), num_heads, kv_layer.shape[3], head_dim, kv_layer.shape[1], head_dim**-0.5,
+        torch.get_num_threads(),
+    )
+    _raise_for(status, "prefill", q.shape)
+
+
 def native_decode_attention(
     kernel: Callable[..., int], q: torch.Tensor, kv_layer: torch.Tensor, meta: PagedAttentionMetadata
 ) -> torch.Tensor:
@@ -177,11 +218,17 @@ def native_decode_attention(
         meta.decode_blocks.numel() // batch, meta.decode_lens.data_ptr(), out.data_ptr(), batch, num_heads,
         kv_layer.shape[3], head_dim, kv_layer.shape[1], head_dim**-0.5, torch.get_num_threads(),
     )
-    if status == -2:
-        raise ValueError(f"head_dim {head_dim} or {num_heads} query heads outside the kernel's limits")
-    if status:
-        raise MemoryError("paged_decode_attention could not allocate its scratch")
+    _raise_for(status, "decode", q.shape)
     return out
+
+
+def _raise_for(status: int, kernel: str, q_shape: torch.Size) -> None:
+    """A C attention kernel's status as Python's exception (0: none); q_shape [tokens, heads, head_dim]."""
+    if status == -2:
+        raise ValueError(f"paged_{kernel}_attention: head_dim {q_shape[2]} or {q_shape[1]} query heads "
+                         "outside the kernel's limits")
+    if status:
+        raise MemoryError(f"paged_{kernel}_attention could not allocate its scratch")
 
 
 def torch_decode_attention(

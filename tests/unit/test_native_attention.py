@@ -1,4 +1,5 @@
-"""The C decode-attention kernel (kernels/csrc/paged_decode_attention.c) against the torch path; its build."""
+"""The C attention kernels (kernels/csrc/paged_decode_attention.c, paged_prefill_attention.c) against the
+torch path; their build."""
 
 from __future__ import annotations
 
@@ -8,11 +9,17 @@ import pytest
 import torch
 
 from pdserve.kernels import native
+from pdserve.kernels.attention import causal_attention
 from pdserve.kernels.kv_pack import token_slots
 from pdserve.kernels.paged_attention import (
+    K_INDEX,
+    V_INDEX,
     attention_metadata,
+    gather_sequence_kv,
     native_decode_attention,
     native_decode_kernel,
+    native_prefill_attention,
+    native_prefill_kernel,
     paged_attention,
     store_kv,
     torch_decode_attention,
@@ -21,11 +28,19 @@ from pdserve.kernels.paged_attention import (
 BLOCK_SIZE, NUM_BLOCKS = 4, 96
 
 
-def kernel():
-    fn = native_decode_kernel()
+def kernel(build=native_decode_kernel):
+    fn = build()
     if fn is None:  # a machine with a C compiler (every one pdserve's README sets up) must build it
-        pytest.fail("the paged decode-attention kernel did not build (see the log)")
+        pytest.fail(f"{build.__name__} did not build (see the log)")
     return fn
+
+
+def on_threads(threads: int, fn):
+    torch.set_num_threads(threads)
+    try:
+        return fn()
+    finally:
+        torch.set_num_threads(1)
 
 
 def filled_pool(context_lens, num_kv_heads, head_dim, g):
@@ -62,12 +77,44 @@ def test_the_kernel_equals_the_torch_path(context_lens, num_heads, num_kv_heads,
     q = qkv[:, :num_heads]
     expected = torch_decode_attention(q.contiguous(), pool, meta)
     for threads in (1, 2):
-        torch.set_num_threads(threads)
-        try:
-            out = native_decode_attention(kernel(), q, pool, meta)
-        finally:
-            torch.set_num_threads(1)
+        out = on_threads(threads, lambda: native_decode_attention(kernel(), q, pool, meta))
         torch.testing.assert_close(out, expected, atol=2e-6, rtol=1e-5)
+
+
+@pytest.mark.parametrize(
+    "num_tokens, context_len, num_heads, num_kv_heads, head_dim",
+    [
+        (2, 2, 6, 2, 16),  # the shortest prompt the prefill path takes
+        (16, 16, 9, 3, 64),  # one tile of queries, one chunk of keys; SmolLM2's heads
+        (17, 17, 9, 3, 64),  # a tile and a token; a chunk and a key
+        (40, 75, 9, 3, 64),  # a later chunk of a chunked prefill: 35 past keys, tiles across blocks
+        (33, 33, 4, 4, 128),  # no grouping (MHA), a Llama-sized head
+        (21, 30, 8, 1, 32),  # one KV head for every query head (MQA)
+        (5, 130, 2, 1, 256),  # the largest head, a short chunk after a long past
+    ],
+)
+def test_the_prefill_kernel_equals_causal_attention_over_the_gathered_kv(
+    num_tokens, context_len, num_heads, num_kv_heads, head_dim
+):
+    g = torch.Generator().manual_seed(num_tokens * 1000 + context_len + head_dim)
+    pool, tables = filled_pool([context_len], num_kv_heads, head_dim, g)
+    qkv = torch.randn(num_tokens, num_heads + 2 * num_kv_heads, head_dim, generator=g)
+    q = qkv[:, :num_heads]  # strided rows, as the model passes them
+    kv = gather_sequence_kv(pool, tables[0], context_len)
+    expected = causal_attention(q, kv[:, K_INDEX], kv[:, V_INDEX])
+    for threads in (1, 2):
+        out = torch.empty(num_tokens, num_heads, head_dim)
+        on_threads(threads, lambda o=out: native_prefill_attention(
+            kernel(native_prefill_kernel), q, pool, tables[0], context_len, o))
+        torch.testing.assert_close(out, expected, atol=2e-6, rtol=1e-5)
+
+
+def test_the_prefill_kernel_refuses_more_queries_than_keys():
+    g = torch.Generator().manual_seed(4)
+    pool, tables = filled_pool([8], 2, 16, g)
+    with pytest.raises(ValueError, match="paged_prefill_attention"):
+        native_prefill_attention(kernel(native_prefill_kernel), torch.randn(9, 6, 16), pool, tables[0], 8,
+                                 torch.empty(9, 6, 16))
 
 
 def test_a_head_size_the_kernel_does_not_take_runs_the_torch_path():
@@ -81,7 +128,9 @@ def test_a_head_size_the_kernel_does_not_take_runs_the_torch_path():
     torch.testing.assert_close(paged_attention(q, pool, meta), torch_decode_attention(q, pool, meta))
 
 
-def test_a_mixed_batch_takes_the_kernel_for_its_decode_rows_and_matches_the_torch_path(monkeypatch):
+def test_a_mixed_batch_takes_the_kernels_for_its_decode_and_prefill_rows_and_matches_the_torch_path(
+    monkeypatch
+):
     g = torch.Generator().manual_seed(5)
     context_lens, query_lens = [11, 8, 9, 33], [3, 1, 9, 1]
     pool, tables = filled_pool(context_lens, 2, 16, g)
@@ -90,6 +139,7 @@ def test_a_mixed_batch_takes_the_kernel_for_its_decode_rows_and_matches_the_torc
     kernel()
     with_kernel = paged_attention(q, pool, meta)
     monkeypatch.setattr("pdserve.kernels.paged_attention.native_decode_kernel", lambda: None)
+    monkeypatch.setattr("pdserve.kernels.paged_attention.native_prefill_kernel", lambda: None)
     torch.testing.assert_close(with_kernel, paged_attention(q, pool, meta), atol=2e-6, rtol=1e-5)
 
 
