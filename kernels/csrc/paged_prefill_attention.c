@@ -31,7 +31,7 @@
 
 #define MAX_HEAD_DIM 256
 #define TILE 32 /* query tokens per work item */
-#define RB 8     /* rows that share each load of a key or value: 8 independent FMA chains */
+#define RB 8   /* rows that share each load of a key or value: 8 independent FMA chains */
 
 typedef struct {
     const float *kv;
@@ -55,9 +55,9 @@ static void load_chunk(const Paged *p, int64_t h, int64_t c0, int64_t n, float *
     }
 }
 
-/* Rows [r0, r0 + nr) (nr <= RB) of a work item against one chunk: scores, masking, the online-softmax
- * update of each row's (max, sum, acc). Row r is token r / group of the tile (position pos0 + r / group),
- * query head first + r % group. */
+/* nr <= RB rows of a work item against one chunk of n keys from c0 (kt, v: load_chunk's): scores,
+ * causal masking, the online-softmax update of each row's (max_score, sum, acc [nr][head_dim]). Row r's
+ * query is q[r] (head_dim floats), its position pos[r] >= c0. */
 static inline __attribute__((always_inline)) void attend_rows(
     const float *const q[RB], int64_t nr, const int64_t pos[RB], const float *kt, const float *const *v,
     int64_t c0, int64_t n, int64_t head_dim, float scale, float *max_score, float *sum, float *acc) {
