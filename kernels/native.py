@@ -26,6 +26,7 @@ import platform
 import shutil
 import subprocess
 import tempfile
+from collections.abc import Callable
 from pathlib import Path
 
 import torch  # noqa: F401  (loaded before any kernel: the kernel's libgomp.so.1 resolves to torch's copy)
@@ -96,3 +97,18 @@ def load(name: str) -> ctypes.CDLL | None:
         detail = getattr(exc, "stderr", "") or exc
         log.warning("the %s kernel did not build (%s): its torch path runs", name, detail)
         return None
+
+
+# ctypes argument types of the kernels' C signatures: a data pointer, an int64_t, a float, an int
+PTR, I64, F32, INT = ctypes.c_void_p, ctypes.c_int64, ctypes.c_float, ctypes.c_int
+
+
+def bind(name: str, argtypes: list) -> Callable[..., int] | None:
+    """csrc/<name>.c's function `name`, returning int, with `argtypes` as its C parameters, from `load`
+    (built on the first call); None where it cannot be built."""
+    lib = load(name)
+    if lib is None:
+        return None
+    kernel = getattr(lib, name)
+    kernel.argtypes, kernel.restype = argtypes, ctypes.c_int
+    return kernel

@@ -12,7 +12,6 @@ what a KV transfer packs (`kv_pack`).
 
 from __future__ import annotations
 
-import ctypes
 import functools
 from collections.abc import Callable
 from typing import NamedTuple
@@ -157,27 +156,14 @@ def _native_usable(q: torch.Tensor, kv_layer: torch.Tensor) -> bool:
             and head_dim <= NATIVE_MAX_HEAD_DIM and head_dim % 16 == 0)
 
 
-_PTR, _I64, _F32, _INT = ctypes.c_void_p, ctypes.c_int64, ctypes.c_float, ctypes.c_int
-
-
-def _bind(name: str, argtypes: list) -> Callable[..., int] | None:
-    """csrc/<name>.c's function `name` with its C signature, built on the first call (kernels/native.py);
-    None where it cannot be built."""
-    lib = native.load(name)
-    if lib is None:
-        return None
-    kernel = getattr(lib, name)
-    kernel.argtypes, kernel.restype = argtypes, ctypes.c_int
-    return kernel
-
-
 @functools.cache
 def native_decode_kernel() -> Callable[..., int] | None:
     """The C decode-attention kernel (`native_decode_attention` calls it); None where it cannot be built."""
     # q, q_row_stride, kv, block_tables, table_stride, context_lens, out, batch, num_heads, num_kv_heads,
     # head_dim, block_size, scale, num_threads (csrc/paged_decode_attention.c)
-    return _bind("paged_decode_attention",
-                 [_PTR, _I64, _PTR, _PTR, _I64, _PTR, _PTR, _I64, _I64, _I64, _I64, _I64, _F32, _INT])
+    i64, ptr = native.I64, native.PTR
+    return native.bind("paged_decode_attention",
+                       [ptr, i64, ptr, ptr, i64, ptr, ptr, i64, i64, i64, i64, i64, native.F32, native.INT])
 
 
 @functools.cache
@@ -185,8 +171,9 @@ def native_prefill_kernel() -> Callable[..., int] | None:
     """The C prefill-attention kernel (`native_prefill_attention` calls it); None where it cannot be built."""
     # q, q_row_stride, kv, block_table, num_tokens, context_len, out, num_heads, num_kv_heads, head_dim,
     # block_size, scale, num_threads (csrc/paged_prefill_attention.c)
-    return _bind("paged_prefill_attention",
-                 [_PTR, _I64, _PTR, _PTR, _I64, _I64, _PTR, _I64, _I64, _I64, _I64, _F32, _INT])
+    i64, ptr = native.I64, native.PTR
+    return native.bind("paged_prefill_attention",
+                       [ptr, i64, ptr, ptr, i64, i64, ptr, i64, i64, i64, i64, native.F32, native.INT])
 
 
 def native_prefill_attention(kernel: Callable[..., int], q: torch.Tensor, kv_layer: torch.Tensor,

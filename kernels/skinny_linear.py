@@ -4,7 +4,6 @@ row counts where it measured fastest on this machine (`calibrate_paths`)."""
 
 from __future__ import annotations
 
-import ctypes
 import functools
 from collections.abc import Callable
 
@@ -18,14 +17,9 @@ MAX_ROWS = 8
 @functools.cache
 def skinny_kernel() -> Callable[..., int] | None:
     """The C kernel, built on the first call; None where it cannot be built (kernels/native.py)."""
-    lib = native.load("skinny_linear")
-    if lib is None:
-        return None
-    kernel, ptr, i64 = lib.skinny_linear, ctypes.c_void_p, ctypes.c_int64
+    i64, ptr = native.I64, native.PTR
     # x, x_stride, w, n, k, residual (or NULL), out, rows, num_threads (csrc/skinny_linear.c)
-    kernel.argtypes = [ptr, i64, ptr, i64, i64, ptr, ptr, i64, ctypes.c_int]
-    kernel.restype = ctypes.c_int
-    return kernel
+    return native.bind("skinny_linear", [ptr, i64, ptr, i64, i64, ptr, ptr, i64, native.INT])
 
 
 def takes_weight(weight: torch.Tensor) -> bool:
