@@ -29,7 +29,7 @@ import tempfile
 from collections.abc import Callable
 from pathlib import Path
 
-import torch  # noqa: F401  (loaded before any kernel: the kernel's libgomp.so.1 resolves to torch's copy)
+import torch  # loaded before any kernel: the kernel's libgomp.so.1 resolves to torch's copy
 
 log = logging.getLogger(__name__)
 
@@ -101,6 +101,11 @@ def load(name: str) -> ctypes.CDLL | None:
 
 # ctypes argument types of the kernels' C signatures: a data pointer, an int64_t, a float, an int
 PTR, I64, F32, INT = ctypes.c_void_p, ctypes.c_int64, ctypes.c_float, ctypes.c_int
+
+
+def cpu_fp32(*tensors: torch.Tensor) -> bool:
+    """Whether every tensor is fp32 on the CPU (what the C kernels take)."""
+    return all(t.dtype == torch.float32 and t.device.type == "cpu" for t in tensors)
 
 
 def bind(name: str, argtypes: list) -> Callable[..., int] | None:

@@ -19,6 +19,7 @@ from pdserve.engine.linear import Linear, fused
 from pdserve.engine.model_config import LlamaConfig
 from pdserve.engine.model_family import CacheSpec, LayerHook, placed
 from pdserve.engine.state_pool import StatePool
+from pdserve.kernels.activation import silu_and_mul
 from pdserve.kernels.paged_attention import paged_attention, store_kv
 from pdserve.kernels.rms_norm import rms_norm
 from pdserve.kernels.rope import apply_rope, rope_cos_sin
@@ -103,9 +104,7 @@ class LlamaModel:
             attn = paged_attention(qk[:, : cfg.num_heads], kv_cache[index], batch.attention)
             hidden = layer.o.add(attn.reshape(num_tokens, cfg.num_heads * cfg.head_dim), hidden)
             x = rms_norm(hidden, layer.post_norm, cfg.rms_norm_eps)
-            gate_up = layer.gate_up(x)
-            gate = F.silu(gate_up[:, : cfg.intermediate_size]).mul_(gate_up[:, cfg.intermediate_size :])
-            hidden = layer.down.add(gate, hidden)
+            hidden = layer.down.add(silu_and_mul(layer.gate_up(x)), hidden)
         # only each sequence's last new token is sampled from: the LM head runs on those rows alone
         last = rms_norm(hidden[batch.logits_indices], self.final_norm, cfg.rms_norm_eps)
         return self.lm_head(last)
