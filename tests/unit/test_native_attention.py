@@ -85,8 +85,10 @@ def test_the_kernel_equals_the_torch_path(context_lens, num_heads, num_kv_heads,
     "num_tokens, context_len, num_heads, num_kv_heads, head_dim",
     [
         (2, 2, 6, 2, 16),  # the shortest prompt the prefill path takes
-        (16, 16, 9, 3, 64),  # one tile of queries, one chunk of keys; SmolLM2's heads
-        (17, 17, 9, 3, 64),  # a tile and a token; a chunk and a key
+        (16, 16, 9, 3, 64),  # one vector of keys; SmolLM2's heads
+        (17, 17, 9, 3, 64),  # a vector of keys and one into the chunk's second
+        (32, 32, 9, 3, 64),  # one tile of queries, one chunk of keys
+        (33, 33, 9, 3, 64),  # a tile and a token; a chunk and a key
         (40, 75, 9, 3, 64),  # a later chunk of a chunked prefill: 35 past keys, tiles across blocks
         (33, 33, 4, 4, 128),  # no grouping (MHA), a Llama-sized head
         (21, 30, 8, 1, 32),  # one KV head for every query head (MQA)
