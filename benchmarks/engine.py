@@ -6,7 +6,10 @@ Measured in one process, one torch thread (as a worker runs), each number the be
 - decode: C requests (64-token prompts, 32 output tokens, greedy, EOS ignored) submitted at once to the
   engine; aggregate output tokens/s = C * 32 / wall time (prefill included). HF: `generate` on the same
   C prompts as one left-padded batch, `min_new_tokens = max_new_tokens = 32`, greedy.
-- prefill: one prompt of N tokens; the engine's single step (unchunked) vs one HF forward.
+- prefill: one prompt of N tokens; the engine's single step (unchunked) vs one HF forward. Beside it, the
+  engine's GEMMs alone for the same N tokens (every layer's fused QKV, output, fused gate/up and down
+  projections on N rows, the LM head on one, through the model's own `Linear`s): HF's time over that is the
+  most the engine could reach against HF here if everything but its GEMMs were free (a measured ceiling).
 - The engine is built once per row, outside the timed calls, as a worker builds it at start (its KV pool's
   allocation is not part of a request); each call gets its own cache salt, so none hits another's blocks.
 - roofline: the machine's fp32 GEMM peak (a 2048² matmul, the best of torch's default MKL path and
@@ -98,6 +101,21 @@ def engine_prefill(engine: LLMEngine, prompt: list[int]) -> None:
     engine.step()
 
 
+def gemms_only(model, n: int) -> None:
+    """The GEMMs of an n-token prefill through `model`'s own Linears, inputs random (the rates do not
+    depend on the values): what a prefill step costs with attention, norms, RoPE and Python free."""
+    cfg = model.config
+    hidden = torch.randn(n, cfg.hidden_size)
+    attn = torch.randn(n, cfg.num_heads * cfg.head_dim)
+    gate = torch.randn(n, cfg.intermediate_size)
+    for layer in model.layers:
+        layer.qkv(hidden)
+        layer.o.add(attn, hidden)
+        layer.gate_up(hidden)
+        layer.down.add(gate, hidden)
+    model.lm_head(hidden[-1:])
+
+
 def hf_prefill(hf, prompt: list[int]) -> None:
     with torch.no_grad():
         hf(torch.tensor([prompt]), use_cache=False)
@@ -148,12 +166,15 @@ def main() -> None:
         engine = LLMEngine(model, EngineConfig(num_blocks=256, max_num_batched_tokens=n))
         e_s = best_of(args.reps, lambda p=prompt, e=engine: engine_prefill(e, p))
         h_s = best_of(args.reps, lambda p=prompt: hf_prefill(hf, p))
+        gemm_s = best_of(args.reps, lambda n=n: gemms_only(model, n))
         prefill.append(
             {
                 "prompt_tokens": n,
                 "engine_tok_s": n / e_s,
                 "hf_tok_s": n / h_s,
                 "ratio": h_s / e_s,
+                "gemm_tok_s": n / gemm_s,
+                "gemm_ceiling_ratio": h_s / gemm_s,
                 # every token through the body, the LM head once (the last token's logits)
                 "roofline_tok_s": n * roof.gemm_flops / cost.prefill_flop(n),
             }
@@ -213,14 +234,21 @@ def markdown(r: dict) -> str:
         "",
         "## Prefill: prompt tokens/s (one prompt, one step)",
         "",
-        "| prompt tokens | engine | HF forward | engine / HF | roofline | engine / roofline | target |",
-        "|---|---|---|---|---|---|---|",
+        "| prompt tokens | engine | HF forward | engine / HF | engine's GEMMs alone | their ceiling / HF "
+        "| roofline | engine / roofline | target |",
+        "|---|---|---|---|---|---|---|---|---|",
         *(
             f"| {p['prompt_tokens']} | {p['engine_tok_s']:.0f} | {p['hf_tok_s']:.0f} | {p['ratio']:.2f}× | "
+            f"{p['gemm_tok_s']:.0f} | {p['gemm_ceiling_ratio']:.2f}× | "
             f"{p['roofline_tok_s']:.0f} | {p['engine_tok_s'] / p['roofline_tok_s']:.0%} | "
             f"{target(PREFILL_TARGET, p)} |"
             for p in r["prefill"]
         ),
+        "",
+        "**engine's GEMMs alone** = the prompt's tokens / the time of the engine's projections alone on them "
+        "(its own Linears, same run); **their ceiling / HF** = HF's time / that time: the engine / HF ratio "
+        "if attention, norms, RoPE and Python cost nothing. Where it is under the target, the target needs "
+        "GEMMs faster than this machine's GEMM libraries run these shapes.",
         "",
         "The machine is shared (2 cores, other jobs running): ratios measured in the same run are the "
         "numbers to read, not the absolute rates.",
