@@ -2,7 +2,8 @@
 
     python benchmarks/engine.py [--out docs/benchmarks] [--concurrency 1 8 32] [--prefill 128 512 2048]
 
-Measured in one process, one torch thread (as a worker runs), each number the best of `--reps` runs:
+Measured in one process, one torch thread (as a worker runs), each number the best of `--reps` runs, the
+engine's, HF's (and the GEMMs') runs taken in turn:
 - decode: C requests (64-token prompts, 32 output tokens, greedy, EOS ignored) submitted at once to the
   engine; aggregate output tokens/s = C * 32 / wall time (prefill included). HF: `generate` on the same
   C prompts as one left-padded batch, `min_new_tokens = max_new_tokens = 32`, greedy.
@@ -48,14 +49,16 @@ DECODE_TARGETS, PREFILL_TARGET = {32: 2.0}, 1.5
 _calls = itertools.count()  # a cache salt per timed call
 
 
-def best_of(reps: int, fn) -> float:
-    """Fastest wall time of `reps` calls, seconds."""
-    times = []
+def best_of(reps: int, *fns) -> list[float]:
+    """Fastest wall time of `reps` calls of each of `fns`, seconds, the calls taken in turn (fn 1, fn 2, …,
+    fn 1, …) so that a slow spell of this shared machine slows all of them, not one."""
+    times = [[] for _ in fns]
     for _ in range(reps):
-        t0 = time.perf_counter()
-        fn()
-        times.append(time.perf_counter() - t0)
-    return min(times)
+        for fn, ts in zip(fns, times, strict=True):
+            t0 = time.perf_counter()
+            fn()
+            ts.append(time.perf_counter() - t0)
+    return [min(ts) for ts in times]
 
 
 def decode_roofline_s(c: int, roof: Roofline, cost: DenseModelCost) -> float:
@@ -146,8 +149,8 @@ def main() -> None:
         batch = prompts(vocab, c, PROMPT_TOKENS)
         tokens = c * OUTPUT_TOKENS
         engine = LLMEngine(model, EngineConfig(num_blocks=1024, max_num_batched_tokens=2048, max_num_seqs=64))
-        e_s = best_of(args.reps, lambda b=batch, e=engine: engine_decode(e, b))
-        h_s = best_of(args.reps, lambda b=batch: hf_decode(hf, b))
+        e_s, h_s = best_of(args.reps, lambda b=batch, e=engine: engine_decode(e, b),
+                           lambda b=batch: hf_decode(hf, b))
         roof_s = decode_roofline_s(c, roof, cost)
         decode.append(
             {
@@ -164,9 +167,8 @@ def main() -> None:
     for n in args.prefill:
         (prompt,) = prompts(vocab, 1, n)
         engine = LLMEngine(model, EngineConfig(num_blocks=256, max_num_batched_tokens=n))
-        e_s = best_of(args.reps, lambda p=prompt, e=engine: engine_prefill(e, p))
-        h_s = best_of(args.reps, lambda p=prompt: hf_prefill(hf, p))
-        gemm_s = best_of(args.reps, lambda n=n: gemms_only(model, n))
+        e_s, h_s, gemm_s = best_of(args.reps, lambda p=prompt, e=engine: engine_prefill(e, p),
+                                   lambda p=prompt: hf_prefill(hf, p), lambda n=n: gemms_only(model, n))
         prefill.append(
             {
                 "prompt_tokens": n,
