@@ -11,8 +11,8 @@
 
 #define PARALLEL_MIN 32768
 
-int rms_norm(const float *x, int64_t x_stride, const float *weight, float *out, int64_t rows, int64_t dim,
-             float eps, int num_threads) {
+int rms_norm(const float *restrict x, int64_t x_stride, const float *restrict weight, float *restrict out,
+             int64_t rows, int64_t dim, float eps, int num_threads) {
 #pragma omp parallel for schedule(static) num_threads(num_threads) if (rows * dim >= PARALLEL_MIN)
     for (int64_t r = 0; r < rows; r++) {
         const float *xr = x + r * x_stride;

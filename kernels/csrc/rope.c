@@ -11,10 +11,12 @@
  * are at least PARALLEL_MIN floats. Returns 0; -2 when head_dim is odd. */
 #include <stdint.h>
 
+#include "vec16.h"
+
 #define PARALLEL_MIN 32768
 
-int rope(const float *x, int64_t x_stride, const float *cos, const float *sin, float *out, int64_t rows,
-         int64_t heads, int64_t head_dim, int num_threads) {
+int rope(const float *restrict x, int64_t x_stride, const float *restrict cos, const float *restrict sin,
+         float *restrict out, int64_t rows, int64_t heads, int64_t head_dim, int num_threads) {
     if (head_dim % 2)
         return -2;
     const int64_t half = head_dim / 2;
@@ -24,7 +26,13 @@ int rope(const float *x, int64_t x_stride, const float *cos, const float *sin, f
         for (int64_t h = 0; h < heads; h++) {
             const float *xh = x + r * x_stride + h * head_dim;
             float *o = out + (r * heads + h) * head_dim;
-            for (int64_t i = 0; i < half; i++) {
+            int64_t i = 0;
+            for (; i + 16 <= half; i += 16) { /* 16 pairs at a time (GCC left the plain loop scalar) */
+                const v16 a = load16(xh + i), b = load16(xh + i + half);
+                store16(o + i, a * load16(c + i) - b * load16(s + i));
+                store16(o + i + half, b * load16(c + i + half) + a * load16(s + i + half));
+            }
+            for (; i < half; i++) {
                 o[i] = xh[i] * c[i] - xh[i + half] * s[i];
                 o[i + half] = xh[i + half] * c[i + half] + xh[i] * s[i + half];
             }

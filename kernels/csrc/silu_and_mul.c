@@ -12,7 +12,7 @@
 
 #define PARALLEL_MIN 32768
 
-int silu_and_mul(const float *gate_up, float *out, int64_t rows, int64_t d, int num_threads) {
+int silu_and_mul(const float *restrict gate_up, float *restrict out, int64_t rows, int64_t d, int num_threads) {
 #pragma omp parallel for schedule(static) num_threads(num_threads) if (rows * d >= PARALLEL_MIN)
     for (int64_t r = 0; r < rows; r++) {
         const float *g = gate_up + r * 2 * d, *u = g + d;
