@@ -4,7 +4,8 @@
                                  [--servers vllm colocated disaggregated] [--out docs/benchmarks]
     python benchmarks/vs_vllm.py --from-json docs/benchmarks/vs_vllm.json   # re-render the reports
 
-Three servers up side by side, serving load one at a time (the machine has 2 cores):
+Three servers, each up only for its own turn (the machine has 2 cores, and an idle server is not idle to
+the one measured: `serving`):
 
 - **vLLM**: vLLM CPU 0.32 (`vllm serve`, fp32, 2 GiB KV cache, OpenMP bound to cores 0-1) on a model
   directory written from pdserve's own weights: benchmarks/peers/vllm_cpu.py sets it up once (~3-10 min,
@@ -22,8 +23,9 @@ three: do they say the same?).
 A cell is INPUT:OUTPUT:CONCURRENCY: `--num-prompts` random prompts (token ids, ignore_eos, so every
 request produces exactly OUTPUT tokens) sent by `pdserve bench serve`'s client (libs/pdserve/bench) at
 that concurrency. In round r every server gets the same prompts (seeded by round and cell: no prefix
-cache hit across rounds), in an order reversed every other round and rotated by cell and every two rounds
-(`sidebyside.round_order`). Per server and cell: output tok/s, TTFT p50, TPOT p50, ITL p99 (vLLM's
+cache hit across rounds); each server is started, warmed up, run through every cell and stopped in turn,
+in an order reversed every other round and rotated every two rounds (`sidebyside.round_order`). Per
+server and cell: output tok/s, TTFT p50, TPOT p50, ITL p99 (vLLM's
 definitions, libs/pdserve/bench/metrics.py), each round's value and their median, and pdserve / vLLM per
 round (each round's servers ran minutes apart on the same machine) with the median of those ratios.
 Before any server starts it measures the machine's roofline on every core (libs/pdserve/bench/roofline.py)
@@ -42,6 +44,7 @@ import os
 import statistics
 import sys
 import time
+from collections.abc import Iterator
 from dataclasses import asdict
 from pathlib import Path
 
@@ -188,8 +191,8 @@ def write_reports(results: dict, out: Path) -> list[Path]:
         "over ucxx).",
         "- Client: `pdserve bench serve`'s (libs/pdserve/bench), vLLM's metric definitions. A cell is "
         "input:output tokens:concurrency. Each figure is the median over rounds; **× vLLM** is the median of "
-        "the per-round ratios pdserve / vLLM (the three servers of a round ran one after another, order "
-        "reversed every other round and rotated every two).",
+        "the per-round ratios pdserve / vLLM (the three servers of a round ran one after another, each up "
+        "alone for its turn through every cell, order reversed every other round and rotated every two).",
         f"- Greedy check (`{GREEDY_PROMPT}`, 16 tokens): "
         + ("all servers said the same" if len(set(results.get("greedy", {}).values())) == 1
            else "outputs differ: " + "; ".join(f"{k}: {v!r}" for k, v in results.get("greedy", {}).items())),
@@ -274,6 +277,31 @@ def measure(url: str, cell: tuple[int, int, int], num_prompts: int, seed: int, d
     return asyncio.run(run_serve(cfg, progress=True))
 
 
+@contextlib.contextmanager
+def serving(name: str, args: argparse.Namespace) -> Iterator[tuple[str, str | None]]:
+    """Server `name` up and warmed (two requests), alone on the machine: yields (its URL, its event store's
+    database URL or None) and stops it on exit. Each server runs only for its own turn: an idle one is not
+    idle to the one measured (an idle disaggregated stack's UCX progress threads woke ~900 times a second
+    each, vLLM's gloo loop ~1,300; the unified worker's two-thread OpenMP team stalled at its barriers
+    whenever one of them took its core: TPOT 30 -> 38-43 ms measured by hand)."""
+    console.print(f"[bold]{name}[/]: starting")
+    t0 = time.monotonic()
+    with contextlib.ExitStack() as up:
+        if name == "vllm":
+            lay = vllm_cpu.Layout(args.peer_dir.expanduser().resolve())
+            args.var_dir.mkdir(parents=True, exist_ok=True)
+            url = up.enter_context(vllm_cpu.start_server(lay, log=args.var_dir.resolve() / "vllm.log"))
+            database_url = None
+        else:
+            stack = up.enter_context(pdserve_stack(name, "smollm2", args.var_dir.resolve(),
+                                                   up_args=UP_ARGS.get(name, ())))
+            url, database_url = stack.state.gateway_url, stack.state.database_url or None
+        if (err := asyncio.run(warm_up(url))) is not None:
+            raise RuntimeError(f"{name} did not serve the warm-up requests: {err}")
+        console.print(f"  {name} up at {url} in {time.monotonic() - t0:.0f} s")
+        yield url, database_url
+
+
 def main() -> int:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0],
                                  formatter_class=argparse.RawDescriptionHelpFormatter,
@@ -308,48 +336,32 @@ def main() -> int:
     console.print(f"roofline on {roof.threads} threads: {roof.gemm_flops / 1e9:.0f} GFLOP/s, "
                   f"{roof.bandwidth_bytes_s / 1e9:.1f} GB/s")
     started = time.monotonic()
-    with contextlib.ExitStack() as up:
-        urls: dict[str, str] = {}
-        dbs: dict[str, str | None] = {}
-        for name in args.servers:  # start everything first: only one serves load at a time
-            console.print(f"[bold]{name}[/]: starting")
-            t0 = time.monotonic()
-            if name == "vllm":
-                lay = vllm_cpu.Layout(args.peer_dir.expanduser().resolve())
-                args.var_dir.mkdir(parents=True, exist_ok=True)
-                log = args.var_dir.resolve() / "vllm.log"
-                urls[name] = up.enter_context(vllm_cpu.start_server(lay, log=log))
-                dbs[name] = None
-            else:
-                stack = up.enter_context(pdserve_stack(name, "smollm2", args.var_dir.resolve(),
-                                                       up_args=UP_ARGS.get(name, ())))
-                urls[name], dbs[name] = stack.state.gateway_url, stack.state.database_url or None
-            if (err := asyncio.run(warm_up(urls[name]))) is not None:
-                raise RuntimeError(f"{name} did not serve the warm-up requests: {err}")
-            console.print(f"  {name} up at {urls[name]} in {time.monotonic() - t0:.0f} s")
-        results["greedy"] = {name: asyncio.run(greedy_text(url)) for name, url in urls.items()}
-        for name, text in results["greedy"].items():
-            console.print(f"  greedy {name}: {text!r}")
-        for r in range(args.rounds):
-            for ci, cell in enumerate(args.cells):
-                order = round_order(args.servers, r, ci)
-                entry: dict = {"_order": order}
-                for name in order:
+    results["greedy"] = {}
+    for r in range(args.rounds):
+        order = round_order(args.servers, r)
+        entries: dict[str, dict] = {cell_name(cell): {"_order": order} for cell in args.cells}
+        for name in order:
+            with serving(name, args) as (url, database_url):
+                if name not in results["greedy"]:
+                    results["greedy"][name] = text = asyncio.run(greedy_text(url))
+                    console.print(f"  greedy {name}: {text!r}")
+                for ci, cell in enumerate(args.cells):
                     console.print(f"round {r + 1}/{args.rounds} cell {cell_name(cell)}: [bold]{name}[/]")
-                    report = measure(urls[name], cell, args.num_prompts, seed=1000 * r + ci,
-                                     database_url=dbs[name])
-                    entry[name] = cell_figures(report) | {"loadavg_1min_after": os.getloadavg()[0]}
-                    f = entry[name]
+                    report = measure(url, cell, args.num_prompts, seed=1000 * r + ci,
+                                     database_url=database_url)
+                    f = entries[cell_name(cell)][name] = (
+                        cell_figures(report) | {"loadavg_1min_after": os.getloadavg()[0]})
                     console.print(f"  {f['output_throughput']:.1f} tok/s, "
                                   f"TTFT p50 {f['ttft_p50_ms']:.0f} ms, TPOT p50 {f['tpot_p50_ms']:.0f} ms, "
                                   f"ITL p99 {f['itl_p99_ms']:.0f} ms, failed {f['failed']}")
                     if report.breakdowns:
                         results["breakdown_ms"].setdefault(cell_name(cell), {})[name] = mean_stages_ms(
                             list(report.breakdowns.values()))
-                results["cells"][cell_name(cell)].append(entry)
-                results["meta"]["elapsed_s"] = time.monotonic() - started
-                results["meta"]["loadavg_end"] = os.getloadavg()
-                write_reports(results, args.out)
+        for cell in args.cells:
+            results["cells"][cell_name(cell)].append(entries[cell_name(cell)])
+        results["meta"]["elapsed_s"] = time.monotonic() - started
+        results["meta"]["loadavg_end"] = os.getloadavg()
+        write_reports(results, args.out)
     for p in write_reports(results, args.out):
         console.print(f"wrote {p}")
     console.print((args.out / "vs_vllm.md").read_text())
