@@ -1,7 +1,7 @@
 /* SwiGLU's gate (Shazeer 2020, https://arxiv.org/abs/2002.05202; vLLM's SiluAndMul), fp32 on the CPU:
  *     out[r, i] = silu(gate_up[r, i]) * gate_up[r, d + i],   silu(g) = g / (1 + e^-g)
- * from the fused gate/up GEMM's output in one pass, where torch's eager path takes a silu and a mul (and
- * the silu's e^x is scalar). e^x is vec16.h's exp16, 16 lanes at a time; a tail under 16 takes libm's.
+ * from the fused gate/up GEMM's output in one pass, where torch's eager path takes a silu and a mul (two
+ * passes and an allocation). e^x is vec16.h's exp16, 16 lanes at a time; a tail under 16 takes libm's.
  *
  * Layouts: gate_up [rows, 2 d] contiguous; out [rows, d] contiguous. Rows are split over `num_threads`
  * OpenMP threads when there are at least PARALLEL_MIN floats. Returns 0. */
