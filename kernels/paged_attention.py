@@ -151,9 +151,8 @@ def _native_usable(q: torch.Tensor, kv_layer: torch.Tensor) -> bool:
     """Whether the C kernels can read q ([tokens, heads, head_dim]) and `kv_layer` as they are: fp32 on the
     CPU, q's heads contiguous within a row, the pool contiguous, head_dim a multiple of 16 up to 256."""
     head_dim = q.shape[2]
-    return (q.device.type == kv_layer.device.type == "cpu" and q.dtype == kv_layer.dtype == torch.float32
-            and q.stride(2) == 1 and q.stride(1) == head_dim and kv_layer.is_contiguous()
-            and head_dim <= NATIVE_MAX_HEAD_DIM and head_dim % 16 == 0)
+    return (native.cpu_fp32(q, kv_layer) and q.stride(2) == 1 and q.stride(1) == head_dim
+            and kv_layer.is_contiguous() and head_dim <= NATIVE_MAX_HEAD_DIM and head_dim % 16 == 0)
 
 
 @functools.cache

@@ -25,15 +25,14 @@ def skinny_kernel() -> Callable[..., int] | None:
 def takes_weight(weight: torch.Tensor) -> bool:
     """Whether the kernel can take `weight` [n, k] (whatever x): contiguous fp32 on the CPU, k a multiple of
     16, and the kernel built. A layer asks once, at load."""
-    return (weight.dim() == 2 and weight.dtype == torch.float32 and weight.device.type == "cpu"
-            and weight.is_contiguous() and weight.shape[1] % 16 == 0 and skinny_kernel() is not None)
+    return (weight.dim() == 2 and native.cpu_fp32(weight) and weight.is_contiguous()
+            and weight.shape[1] % 16 == 0 and skinny_kernel() is not None)
 
 
 def takes_rows(x: torch.Tensor) -> bool:
     """Whether the kernel can take `x` [rows, k] against a weight it takes: fp32 on the CPU, 1-8 rows, each
     row contiguous (rows may be strided)."""
-    return (x.dim() == 2 and 1 <= x.shape[0] <= MAX_ROWS and x.stride(1) == 1
-            and x.dtype == torch.float32 and x.device.type == "cpu")
+    return x.dim() == 2 and 1 <= x.shape[0] <= MAX_ROWS and x.stride(1) == 1 and native.cpu_fp32(x)
 
 
 def usable(x: torch.Tensor, weight: torch.Tensor) -> bool:
