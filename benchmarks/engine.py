@@ -104,13 +104,17 @@ def engine_prefill(engine: LLMEngine, prompt: list[int]) -> None:
     engine.step()
 
 
-def gemms_only(model, n: int) -> None:
-    """The GEMMs of an n-token prefill through `model`'s own Linears, inputs random (the rates do not
-    depend on the values): what a prefill step costs with attention, norms, RoPE and Python free."""
+def gemm_inputs(model, n: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """Random inputs of an n-token prefill's projections (the rates do not depend on the values): the
+    hidden states [n, hidden], attention output [n, heads * head_dim], gated MLP input [n, intermediate]."""
     cfg = model.config
-    hidden = torch.randn(n, cfg.hidden_size)
-    attn = torch.randn(n, cfg.num_heads * cfg.head_dim)
-    gate = torch.randn(n, cfg.intermediate_size)
+    return (torch.randn(n, cfg.hidden_size), torch.randn(n, cfg.num_heads * cfg.head_dim),
+            torch.randn(n, cfg.intermediate_size))
+
+
+def gemms_only(model, hidden: torch.Tensor, attn: torch.Tensor, gate: torch.Tensor) -> None:
+    """The GEMMs of a prefill through `model`'s own Linears on `gemm_inputs`: what a prefill step costs with
+    attention, norms, RoPE and Python free."""
     for layer in model.layers:
         layer.qkv(hidden)
         layer.o.add(attn, hidden)
@@ -167,8 +171,9 @@ def main() -> None:
     for n in args.prefill:
         (prompt,) = prompts(vocab, 1, n)
         engine = LLMEngine(model, EngineConfig(num_blocks=256, max_num_batched_tokens=n))
+        inputs = gemm_inputs(model, n)
         e_s, h_s, gemm_s = best_of(args.reps, lambda p=prompt, e=engine: engine_prefill(e, p),
-                                   lambda p=prompt: hf_prefill(hf, p), lambda n=n: gemms_only(model, n))
+                                   lambda p=prompt: hf_prefill(hf, p), lambda x=inputs: gemms_only(model, *x))
         prefill.append(
             {
                 "prompt_tokens": n,
