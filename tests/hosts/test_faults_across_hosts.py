@@ -13,6 +13,7 @@ router, coordinator and gateway on `control`, prefill-0 and decode-1 on `prefill
 from __future__ import annotations
 
 import asyncio
+import signal
 import threading
 import time
 from collections.abc import Callable, Iterator
@@ -38,6 +39,7 @@ pytestmark = [pytest.mark.hosts, pytest.mark.faults, pytest.mark.stack]
 MAX_TOKENS = 96
 LINK_DOWN_S = 6.0  # past the coordinator's worker_timeout_s (2 s): the decode worker is dead to it
 CUT_ROUNDS = 3
+FREEZE_SETTLE_S = 0.3  # what a frozen worker published before SIGSTOP reaches the stream by then
 
 
 @pytest.fixture(scope="module")
@@ -61,23 +63,37 @@ def tiny_reference(tmp_path_factory):
     return LlamaModel(loaded.config, loaded.weights), loaded.tokenizer
 
 
-def decoding_on(url: str, worker_id: str) -> Callable[[list[Result]], bool]:
-    """A `run_load(when=…)` predicate: some stream still far from its end is decoding on `worker_id`
-    (its lifecycle read from the gateway, once per request: placement does not change unless it fails).
-    Cutting then, not once every stream has its first tokens, is what makes sure the cut strands a
-    request: with one prefill worker the last prompt's first token may come after the decode host's
-    requests ended."""
+def frozen_while_decoding(stack: HostStack, worker_id: str) -> Callable[[list[Result]], bool]:
+    """A `run_load(when=…)` predicate that is true with `worker_id` frozen (SIGSTOP) while a request on it
+    still lacks committed tokens: the cut that follows then strands that request for certain. The tiny
+    model decodes a token in milliseconds, so a request merely seen decoding there may end before the
+    cut takes hold (a loaded CI host did that three rounds running); frozen, it cannot. The caller cuts
+    the link, then thaws the worker (SIGCONT) on the far side of the cut. A request's placement is read
+    from the gateway once (it does not change unless it fails); a frozen worker whose requests all had
+    every token committed is thawed and the watch goes on."""
     placed: dict[str, str | None] = {}
+    proc = stack.procs[worker_id]
+
+    def lifecycle(request_id: str) -> dict:
+        return httpx.get(f"{stack.url}/v1/requests/{request_id}", timeout=5).json()
+
+    def unfinished_there(request_id: str) -> bool:
+        commits = [e["payload"] for e in lifecycle(request_id)["events"] if e["type"] == "TokensCommitted"]
+        return max((c["start_index"] + len(c["token_ids"]) for c in commits), default=0) < MAX_TOKENS
 
     def check(streams: list[Result]) -> bool:
         for r in streams:
-            if not r.request_id or r.finish_reason is not None or r.num_chunks > MAX_TOKENS // 2:
+            if not r.request_id or r.finish_reason is not None:
                 continue
             if placed.get(r.request_id) is None:  # not known until its route is in the log
-                row = httpx.get(f"{url}/v1/requests/{r.request_id}", timeout=5).json().get("request") or {}
-                placed[r.request_id] = row.get("decode_worker_id")
-            if placed[r.request_id] == worker_id:
+                placed[r.request_id] = (lifecycle(r.request_id).get("request") or {}).get("decode_worker_id")
+            if placed[r.request_id] != worker_id:
+                continue
+            proc.send_signal(signal.SIGSTOP)
+            time.sleep(FREEZE_SETTLE_S)
+            if unfinished_there(r.request_id):
                 return True
+            proc.send_signal(signal.SIGCONT)
         return False
 
     return check
@@ -135,8 +151,8 @@ async def test_decode_host_link_cut_mid_stream_migrates_its_requests_with_identi
     stack = hosts_fault_stack
     decode = hosts["decode"]
     leases = CoordinatorSettings(**stack.settings.model_dump()).lease_bucket
-    # The tiny model decodes a token in milliseconds: a stream seen decoding on decode-0 may end before the
-    # cut takes hold, and then nothing is stranded. Such a round proves nothing; the load runs again.
+    # decode-0 is frozen with a request unfinished on it before the cut (`frozen_while_decoding`); a round
+    # whose load ended without that moment (30 s) strands nothing and proves nothing, and the load runs again.
     for _ in range(CUT_ROUNDS):
         async with open_store(stack.settings) as (_, bus):
             await lead_elsewhere(bus, [stack.settings.events_stream, f"KV_{leases}"], "decode")
@@ -144,15 +160,17 @@ async def test_decode_host_link_cut_mid_stream_migrates_its_requests_with_identi
 
         def cut(restore: threading.Timer = restore) -> None:
             decode.cut_link()
+            stack.procs["decode-0"].send_signal(signal.SIGCONT)  # it wakes up cut off
             restore.start()
 
         try:
             results = await asyncio.to_thread(run_load, stack.url, PROMPTS, MAX_TOKENS, cut,
-                                              when=decoding_on(stack.url, "decode-0"))
+                                              when=frozen_while_decoding(stack, "decode-0"))
         finally:
             if restore.is_alive():
                 restore.join()
             decode.restore_link()
+            stack.procs["decode-0"].send_signal(signal.SIGCONT)  # were the load to fail while it is frozen
             # the healed cluster re-forms its JetStream groups (meta, streams) before anything asks it again
             await asyncio.to_thread(nats_cluster.wait_jetstream)
         async with open_store(stack.settings) as store:
