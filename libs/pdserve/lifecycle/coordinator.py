@@ -52,10 +52,12 @@ class Coordinator:
         self.recovered = asyncio.Event()  # set once recovery has resumed every unfinished request
         self._sweeper: asyncio.Task | None = None
 
-    def _start(self, submit: Submit, resume: ResumePoint | None = None) -> None:
-        rid = submit.request_id
-        lifecycle = RequestLifecycle(self.bus, self.settings, submit, self.liveness, resume,
-                                     owned=self.ownership.valid)
+    def _lifecycle(self, submit: Submit, resume: ResumePoint | None = None) -> RequestLifecycle:
+        return RequestLifecycle(self.bus, self.settings, submit, self.liveness, resume,
+                                owned=self.ownership.valid)
+
+    def _start(self, lifecycle: RequestLifecycle) -> None:
+        rid = lifecycle.request_id
         task = self.bus.spawn(lifecycle.run())
         self.active[rid] = (lifecycle, task)
 
@@ -94,14 +96,19 @@ class Coordinator:
                 raise RejectedError(RejectCode.UNAVAILABLE, "this coordinator holds no valid lease now")
             # counted as waiting while the claim's round trip runs, so Submits arriving meanwhile see it
             self.claiming.add(rid)
+            lifecycle = self._lifecycle(req)
+            lifecycle.route_ahead()  # the route's round trip overlaps the claim's
+            owner: str | None = ""
             try:
                 owner = await self.ownership.claim(rid)
             except Exception as e:  # the lease bucket unreachable from here (NATS or its quorum lost)
                 raise RejectedError(RejectCode.UNAVAILABLE, f"request lease not claimed: {e!r}") from e
             finally:
                 self.claiming.discard(rid)
+                if owner is not None:  # not this coordinator's: another holds it, or no claim was made
+                    lifecycle.drop()
             if owner is None:
-                self._start(req)
+                self._start(lifecycle)
             # else another coordinator owns it (a retried Submit), or a duplicate here is being started:
             # accepted without a second run; if that owner dies, its lease's takeover resumes it
         return Accepted(request_id=req.request_id)
@@ -189,7 +196,7 @@ class Coordinator:
         action = RecoveryAction.WATCH_DECODE if found.resume.decode_worker_id else RecoveryAction.RE_PREFILL
         await self.bus.emit(request_id, RequestRecovered(
             state=found.resume.state, num_committed_tokens=len(found.resume.committed), action=action))
-        self._start(found.submit, found.resume)
+        self._start(self._lifecycle(found.submit, found.resume))
 
     async def _fenced(self, holder: str) -> None:
         """This coordinator's lease `holder` was lost: stop acting on every request it ran, without ending

@@ -48,11 +48,11 @@ ROUTE_RETRY_S = 0.25
 T = TypeVar("T")
 
 
-async def route(ctx: RequestContext, prompt: tuple[int, ...]) -> RouteDecision:
+async def ask_route(ctx: RequestContext, prompt: tuple[int, ...]) -> tuple[RouteDecision, float]:
     """Ask the router for a placement of `prompt`; retried for `route_wait_s` while the router is
-    unreachable, has no live pair, or names a worker this coordinator already saw die. Raises
-    `PhaseFailed` (phase route) after that."""
-    ctx.enter(Phase.ROUTE, set())
+    unreachable, has no live pair, or names a worker this coordinator already saw die. Returns the
+    decision and the seconds it took; records nothing (`route` does). Raises `PhaseFailed` (phase route)
+    after `route_wait_s`."""
     settings = ctx.settings
     t0 = time.perf_counter()
     deadline = time.monotonic() + settings.route_wait_s
@@ -74,7 +74,7 @@ async def route(ctx: RequestContext, prompt: tuple[int, ...]) -> RouteDecision:
                     if ctx.liveness.is_dead(w)
                 }
                 if not dead:
-                    break
+                    return decision, time.perf_counter() - t0
                 reason = f"the router still lists dead {', '.join(sorted(dead))}"
             except BusTimeout as e:
                 reason = f"router unreachable ({e})"
@@ -85,7 +85,15 @@ async def route(ctx: RequestContext, prompt: tuple[int, ...]) -> RouteDecision:
             if time.monotonic() + ROUTE_RETRY_S > deadline:
                 raise PhaseFailed(Phase.ROUTE, f"{reason} for {settings.route_wait_s} s")
             await asyncio.sleep(ROUTE_RETRY_S)
-    await ctx.bus.emit(ctx.request_id, RequestRouted.of(decision, route_s=time.perf_counter() - t0))
+
+
+async def route(ctx: RequestContext, prompt: tuple[int, ...],
+                asked: Awaitable[tuple[RouteDecision, float]] | None = None) -> RouteDecision:
+    """The route phase: the router's placement of `prompt` (`ask_route`; or `asked`, the answer to a
+    question already put to it for this prompt), recorded as `RequestRouted`. Raises as `ask_route`."""
+    ctx.enter(Phase.ROUTE, set())
+    decision, route_s = await (asked if asked is not None else ask_route(ctx, prompt))
+    await ctx.bus.emit(ctx.request_id, RequestRouted.of(decision, route_s=route_s))
     return decision
 
 

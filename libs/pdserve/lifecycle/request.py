@@ -39,7 +39,7 @@ from pdserve.lifecycle.completion import emit_completed
 from pdserve.lifecycle.context import LeaseLost, PhaseFailed, RequestContext, WorkerLost
 from pdserve.lifecycle.journal import read_committed
 from pdserve.lifecycle.liveness import WorkerLiveness
-from pdserve.lifecycle.placement import place, route
+from pdserve.lifecycle.placement import ask_route, place, route
 from pdserve.messages import DecodeAdmitted, DecodeFinished, FinishReason, RouteDecision, Submit, TokenChunk
 from pdserve.states import Phase, RequestState
 
@@ -99,6 +99,11 @@ class RequestLifecycle:
         self.decode_worker: str | None = resume.decode_worker_id if resume else None  # a kept report counts
         self.finished: asyncio.Future[DecodeFinished] = asyncio.get_running_loop().create_future()
         self.handed_off = False
+        # started here, not in run(): a route asked ahead of the run (`route_ahead`) is one of its steps
+        self.span = tracer.start_span("coordinator.request",
+                                      attributes={"pdserve.request_id": self.request_id})
+        self._route_ahead: asyncio.Task[tuple[RouteDecision, float]] | None = None
+        self._route_ahead_ts = 0.0
         self._last_attempt: trace.SpanContext | None = None
         if resume:
             ctx.holders |= set(resume.holders)
@@ -113,10 +118,30 @@ class RequestLifecycle:
         """Accepted, never yet reserved decode KV: counted against `max_waiting_requests`."""
         return self.ctx.awaiting_admission
 
+    def route_ahead(self) -> None:
+        """Put the first route's question to the router now, before `run()`: the coordinator calls it
+        while its claim of the request's lease is in flight, so the two round trips overlap instead of
+        following each other. Nothing is recorded or commanded until the run, which emits `RequestRouted`
+        with this answer; a request whose claim fails is `drop`ped. The router booked load for the answer
+        (routing/active_load.py): the owner's route replaces that booking, or, for a retried Submit the
+        owner routed already, it stands in for the owner's until the request's end or its age releases it
+        (one booking per request either way)."""
+        assert self.resume is None and not self.committed, "a resumed request routes prompt + committed"
+        self._route_ahead_ts = time.time()
+        with trace.use_span(self.span):
+            self._route_ahead = self.bus.spawn(ask_route(self.ctx, tuple(self.submit.prompt_token_ids)))
+
+    def drop(self) -> None:
+        """This coordinator did not come to own the request (its lease claim failed, or another holds it):
+        the run never starts; the route asked ahead is cancelled."""
+        if self._route_ahead is not None:
+            self._route_ahead.cancel()
+        self.span.set_attribute("pdserve.owned", False)
+        self.span.end()
+
     async def run(self) -> None:
         try:
-            with tracer.start_as_current_span("coordinator.request") as span:
-                span.set_attribute("pdserve.request_id", self.request_id)
+            with trace.use_span(self.span, end_on_exit=True):
                 await self._run()
         except asyncio.CancelledError:
             if not self.handed_off:
@@ -136,6 +161,8 @@ class RequestLifecycle:
                 TokenChunk(request_id=self.request_id, index=0, error=f"{phase}: {reason}"),
             )
         finally:
+            if self._route_ahead is not None:  # the run ended before it used it
+                self._route_ahead.cancel()
             if not self.handed_off:
                 await self.ctx.release_all()
 
@@ -192,8 +219,9 @@ class RequestLifecycle:
         if start_index >= self.submit.sampling.max_tokens:
             return await self._already_done(start_index)
         prompt = (*self.submit.prompt_token_ids, *self.committed)
-        timings = {"route": time.time()}
-        decision = await route(self.ctx, prompt)
+        asked, self._route_ahead = self._route_ahead, None
+        timings = {"route": self._route_ahead_ts if asked else time.time()}
+        decision = await route(self.ctx, prompt, asked)
         attempt = self.attempt = Attempt(decision, timings=timings)
         self.decode_worker = decision.decode_worker_id
         if self.first is None:
