@@ -53,7 +53,7 @@ def unavailable() -> str:
         return "test hosts are network namespaces: they need root"
     for tool in ("ip", "tc"):
         if shutil.which(tool) is None:
-            return f"`{tool}` (iproute2) is not installed"
+            return f"`{tool}` (iproute2) is not installed: `make host-tools` installs it"
     probe = f"pdsprobe{os.getpid()}"
     made = _ip("netns", "add", probe, check=False)
     if made.returncode != 0:
