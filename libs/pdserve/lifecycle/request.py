@@ -90,7 +90,6 @@ class RequestLifecycle:
         self.ctx = ctx = RequestContext(bus, settings, submit, liveness, owned)
         self.bus, self.settings, self.submit, self.liveness = bus, settings, submit, liveness
         self.request_id = submit.request_id
-        self.accepted_ts = time.time()
         self.resume = resume
         self.committed: list[int] = list(resume.committed) if resume else []
         self.migrations = resume.migrations if resume else 0
