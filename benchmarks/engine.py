@@ -6,7 +6,10 @@ Measured in one process, one torch thread (as a worker runs), each number the be
 engine's, HF's (and the GEMMs') runs taken in turn:
 - decode: C requests (64-token prompts, 32 output tokens, greedy, EOS ignored) submitted at once to the
   engine; aggregate output tokens/s = C * 32 / wall time (prefill included). HF: `generate` on the same
-  C prompts as one left-padded batch, `min_new_tokens = max_new_tokens = 32`, greedy.
+  C prompts as one left-padded batch, `min_new_tokens = max_new_tokens = 32`, greedy. Beside it, the
+  engine's GEMMs alone for the same workload (the C prompts' projections as one prefill step with the LM
+  head on C rows, then 31 decode steps' on C rows each; `decode_gemms_only`): HF's time over that is the
+  decode ratio's measured ceiling, as below for prefill.
 - prefill: one prompt of N tokens; the engine's single step (unchunked) vs one HF forward. Beside it, the
   engine's GEMMs alone for the same N tokens (every layer's fused QKV, output, fused gate/up and down
   projections on N rows, the LM head on one, through the model's own `Linear`s): HF's time over that is the
@@ -112,15 +115,27 @@ def gemm_inputs(model, n: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor
             torch.randn(n, cfg.intermediate_size))
 
 
-def gemms_only(model, hidden: torch.Tensor, attn: torch.Tensor, gate: torch.Tensor) -> None:
-    """The GEMMs of a prefill through `model`'s own Linears on `gemm_inputs`: what a prefill step costs with
-    attention, norms, RoPE and Python free."""
+def gemms_only(
+    model, hidden: torch.Tensor, attn: torch.Tensor, gate: torch.Tensor, logits_rows: int = 1
+) -> None:
+    """The GEMMs of a step through `model`'s own Linears on `gemm_inputs` (the LM head on the last
+    `logits_rows` rows): what the step costs with attention, norms, RoPE and Python free."""
     for layer in model.layers:
         layer.qkv(hidden)
         layer.o.add(attn, hidden)
         layer.gate_up(hidden)
         layer.down.add(gate, hidden)
-    model.lm_head(hidden[-1:])
+    model.lm_head(hidden[-logits_rows:])
+
+
+def decode_gemms_only(model, prefill: tuple[torch.Tensor, ...], step: tuple[torch.Tensor, ...]) -> None:
+    """The GEMMs of `engine_decode`'s workload for C sequences: one prefill step on `prefill` =
+    `gemm_inputs(model, C * PROMPT_TOKENS)`, then OUTPUT_TOKENS − 1 decode steps on `step` =
+    `gemm_inputs(model, C)`, each with the LM head on C rows (the rows the engine samples from)."""
+    c = step[0].shape[0]
+    gemms_only(model, *prefill, logits_rows=c)
+    for _ in range(OUTPUT_TOKENS - 1):
+        gemms_only(model, *step, logits_rows=c)
 
 
 def hf_prefill(hf, prompt: list[int]) -> None:
@@ -153,8 +168,10 @@ def main() -> None:
         batch = prompts(vocab, c, PROMPT_TOKENS)
         tokens = c * OUTPUT_TOKENS
         engine = LLMEngine(model, EngineConfig(num_blocks=1024, max_num_batched_tokens=2048, max_num_seqs=64))
-        e_s, h_s = best_of(args.reps, lambda b=batch, e=engine: engine_decode(e, b),
-                           lambda b=batch: hf_decode(hf, b))
+        inputs = gemm_inputs(model, c * PROMPT_TOKENS), gemm_inputs(model, c)
+        e_s, h_s, gemm_s = best_of(args.reps, lambda b=batch, e=engine: engine_decode(e, b),
+                                   lambda b=batch: hf_decode(hf, b),
+                                   lambda x=inputs: decode_gemms_only(model, *x))
         roof_s = decode_roofline_s(c, roof, cost)
         decode.append(
             {
@@ -162,6 +179,8 @@ def main() -> None:
                 "engine_tok_s": tokens / e_s,
                 "hf_tok_s": tokens / h_s,
                 "ratio": h_s / e_s,
+                "gemm_tok_s": tokens / gemm_s,
+                "gemm_ceiling_ratio": h_s / gemm_s,
                 "roofline_tok_s": tokens / roof_s,
                 "of_roofline": roof_s / e_s,
             }
@@ -229,11 +248,12 @@ def markdown(r: dict) -> str:
         f"## Decode: aggregate output tokens/s ({r['prompt_tokens']}-token prompts, {r['output_tokens']} "
         "output tokens each, prefill included)",
         "",
-        "| concurrent | engine | HF generate (padded batch) | engine / HF | roofline | engine / roofline "
-        "| target |",
-        "|---|---|---|---|---|---|---|",
+        "| concurrent | engine | HF generate (padded batch) | engine / HF | engine's GEMMs alone "
+        "| their ceiling / HF | roofline | engine / roofline | target |",
+        "|---|---|---|---|---|---|---|---|---|",
         *(
             f"| {d['concurrency']} | {d['engine_tok_s']:.1f} | {d['hf_tok_s']:.1f} | {d['ratio']:.2f}× | "
+            f"{d['gemm_tok_s']:.1f} | {d['gemm_ceiling_ratio']:.2f}× | "
             f"{d['roofline_tok_s']:.0f} | {d['of_roofline']:.0%} | "
             f"{target(DECODE_TARGETS.get(d['concurrency']), d)} |"
             for d in r["decode"]
@@ -252,10 +272,12 @@ def markdown(r: dict) -> str:
             for p in r["prefill"]
         ),
         "",
-        "**engine's GEMMs alone** = the prompt's tokens / the time of the engine's projections alone on them "
-        "(its own Linears, same run); **their ceiling / HF** = HF's time / that time: the engine / HF ratio "
-        "if attention, norms, RoPE and Python cost nothing. Where it is under the target, the target needs "
-        "GEMMs faster than this machine's GEMM libraries run these shapes.",
+        "**engine's GEMMs alone** = the workload's tokens (output tokens for decode, prompt tokens for "
+        "prefill) / the time of the engine's projections alone on its steps' rows (its own Linears, same "
+        "run; decode: the prompts' prefill step, then 31 steps of C rows); **their ceiling / HF** = HF's "
+        "time / that time: the engine / HF ratio if attention, norms, RoPE, sampling and Python cost "
+        "nothing. Where it is under the target, the target needs GEMMs faster than this machine's GEMM "
+        "libraries run these shapes.",
         "",
         "The machine is shared (2 cores, other jobs running): ratios measured in the same run are the "
         "numbers to read, not the absolute rates.",
