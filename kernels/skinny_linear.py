@@ -18,8 +18,8 @@ MAX_ROWS = 8
 def skinny_kernel() -> Callable[..., int] | None:
     """The C kernel, built on the first call; None where it cannot be built (kernels/native.py)."""
     i64, ptr = native.I64, native.PTR
-    # x, x_stride, w, n, k, residual (or NULL), out, rows, num_threads (csrc/skinny_linear.c)
-    return native.bind("skinny_linear", [ptr, i64, ptr, i64, i64, ptr, ptr, i64, native.INT])
+    # x, x_stride, w, n, k, residual (or NULL), out, rows, row_pairs, num_threads (csrc/skinny_linear.c)
+    return native.bind("skinny_linear", [ptr, i64, ptr, i64, i64, ptr, ptr, i64, native.INT, native.INT])
 
 
 def takes_weight(weight: torch.Tensor) -> bool:
@@ -40,11 +40,13 @@ def usable(x: torch.Tensor, weight: torch.Tensor) -> bool:
     return takes_weight(weight) and takes_rows(x)
 
 
-def skinny_linear(x: torch.Tensor, weight: torch.Tensor,
-                  residual: torch.Tensor | None = None) -> torch.Tensor:
+def skinny_linear(x: torch.Tensor, weight: torch.Tensor, residual: torch.Tensor | None = None,
+                  row_pairs: bool = True) -> torch.Tensor:
     """`residual + x @ weight.T` (`residual` [rows, n] contiguous, or None for none) as a new [rows, n] fp32
-    tensor, on `torch.get_num_threads()` threads. Call only where `usable(x, weight)`; raises ValueError
-    when the kernel refuses the shapes."""
+    tensor, on `torch.get_num_threads()` threads. `row_pairs`: the weight read two rows at a time with a
+    software prefetch, else one row at a time as one linear stream (the same sums, in the same order;
+    which is faster depends on the CPU: csrc/skinny_linear.c). Call only where `usable(x, weight)`;
+    raises ValueError when the kernel refuses the shapes."""
     kernel = skinny_kernel()
     assert kernel is not None
     rows, (n, k) = x.shape[0], weight.shape
@@ -53,7 +55,7 @@ def skinny_linear(x: torch.Tensor, weight: torch.Tensor,
         residual = residual.contiguous()
     status = kernel(x.data_ptr(), x.stride(0), weight.data_ptr(), n, k,
                     residual.data_ptr() if residual is not None else None, out.data_ptr(), rows,
-                    torch.get_num_threads())
+                    int(row_pairs), torch.get_num_threads())
     if status:
         raise ValueError(f"skinny_linear refused {rows} rows of {k} against {n} outputs")
     return out

@@ -14,6 +14,13 @@
  * for 16 sums) into a tile of BLOCK outputs per row of x, written out a cache line at a time. OpenMP
  * threads take contiguous ranges of BLOCK weight rows.
  *
+ * That is `row_pairs` = 1. With `row_pairs` = 0 the weight rows are read one at a time instead, with no
+ * software prefetch: the weight is then one linear stream, which the hardware prefetchers follow across
+ * pages by themselves, at the cost of loading x's rows once per weight row rather than once per two.
+ * Which is faster depends on the CPU and the row count (an AMD EPYC host, two threads, SmolLM2's weights:
+ * one row at a time read 31 / 26 / 19 GB/s for 1 / 4 / 8 rows of x, row pairs 24 / 22 / 21, a plain sum
+ * of the same weights 29), so engine/linear.py times both per row count (`calibrate_paths`).
+ *
  * Layouts (row-major fp32): x [rows, k], rows x_stride floats apart; w [n, k] contiguous; residual NULL or
  * [rows, n] contiguous; out [rows, n] contiguous. Returns 0; -2 when rows is not in 1..8 or k is not a
  * multiple of 16.
@@ -30,27 +37,33 @@
 #define PREFETCH 2048 /* floats ahead of the row being read: 8 KiB (2, 4 and 16 KiB measured slower) */
 #define BLOCK 16 /* weight rows per tile: one 64-byte line of out per x row */
 
-/* Weight rows [n0, n1) against `rows` rows of x (a constant where the caller is specialised, so the
- * accumulators stay in registers), BLOCK weight rows at a time: their sums are kept in a tile and written
- * as one cache line per row of out. */
+/* Weight rows [n0, n1) against `rows` rows of x (`rows` and `pairs` constants where the caller is
+ * specialised, so the accumulators stay in registers), BLOCK weight rows at a time: their sums are kept in
+ * a tile and written as one cache line per row of out. `pairs`: two weight rows at a time, prefetched in
+ * software; else one, left to the hardware prefetchers. */
 static inline __attribute__((always_inline)) void rows_range(
-    const int64_t rows, const float *x, int64_t x_stride, const float *w, int64_t n, int64_t k,
-    const float *residual, float *out, int64_t n0, int64_t n1) {
+    const int64_t rows, const int pairs, const float *x, int64_t x_stride, const float *w, int64_t n,
+    int64_t k, const float *residual, float *out, int64_t n0, int64_t n1) {
     for (int64_t jb = n0; jb < n1; jb += BLOCK) {
         const int64_t width = n1 - jb < BLOCK ? n1 - jb : BLOCK;
         float tile[MAX_ROWS][BLOCK];
-        for (int64_t j = 0; j < width; j += 2) {
-            const int64_t pair = j + 1 < width ? 2 : 1;
+        for (int64_t j = 0; j < width; j += pairs ? 2 : 1) {
+            const int64_t pair = pairs && j + 1 < width ? 2 : 1;
             const float *w0 = w + (jb + j) * k, *w1 = w0 + (pair - 1) * k; /* a lone last row is read twice */
             v16 acc[2 * MAX_ROWS] = {0};
             for (int64_t i = 0; i < k; i += 16) {
-                __builtin_prefetch(w0 + i + PREFETCH);
-                __builtin_prefetch(w1 + i + PREFETCH);
-                const v16 a = load16(w0 + i), b = load16(w1 + i);
-                for (int64_t m = 0; m < rows; m++) {
-                    const v16 xv = load16(x + m * x_stride + i);
-                    acc[m] += a * xv;
-                    acc[MAX_ROWS + m] += b * xv;
+                const v16 a = load16(w0 + i);
+                if (pairs) {
+                    __builtin_prefetch(w0 + i + PREFETCH);
+                    __builtin_prefetch(w1 + i + PREFETCH);
+                    const v16 b = load16(w1 + i);
+                    for (int64_t m = 0; m < rows; m++) {
+                        const v16 xv = load16(x + m * x_stride + i);
+                        acc[m] += a * xv;
+                        acc[MAX_ROWS + m] += b * xv;
+                    }
+                } else {
+                    for (int64_t m = 0; m < rows; m++) acc[m] += a * load16(x + m * x_stride + i);
                 }
             }
             float sums[16];
@@ -58,7 +71,7 @@ static inline __attribute__((always_inline)) void rows_range(
             memcpy(sums, &s, sizeof sums);
             for (int64_t m = 0; m < rows; m++) {
                 tile[m][j] = sums[m];
-                tile[m][j + 1] = sums[MAX_ROWS + m];
+                if (pairs) tile[m][j + 1] = sums[MAX_ROWS + m];
             }
         }
         for (int64_t m = 0; m < rows; m++)
@@ -67,8 +80,22 @@ static inline __attribute__((always_inline)) void rows_range(
     }
 }
 
+/* rows_range with `rows` and `pairs` as constants. */
+#define RANGE(R, P) rows_range(R, P, x, x_stride, w, n, k, residual, out, n0, n1)
+#define BY_ROWS(P)                                      \
+    switch (rows) {                                     \
+        case 1: RANGE(1, P); break;                     \
+        case 2: RANGE(2, P); break;                     \
+        case 3: RANGE(3, P); break;                     \
+        case 4: RANGE(4, P); break;                     \
+        case 5: RANGE(5, P); break;                     \
+        case 6: RANGE(6, P); break;                     \
+        case 7: RANGE(7, P); break;                     \
+        default: RANGE(8, P); break;                    \
+    }
+
 int skinny_linear(const float *x, int64_t x_stride, const float *w, int64_t n, int64_t k,
-                  const float *residual, float *out, int64_t rows, int num_threads) {
+                  const float *residual, float *out, int64_t rows, int row_pairs, int num_threads) {
     if (rows < 1 || rows > MAX_ROWS || k % 16) return -2;
     const int64_t blocks = (n + BLOCK - 1) / BLOCK;
 #pragma omp parallel num_threads(num_threads) if (num_threads > 1)
@@ -80,16 +107,10 @@ int skinny_linear(const float *x, int64_t x_stride, const float *w, int64_t n, i
 #endif
         const int64_t n0 = BLOCK * (blocks * t / nt), end = BLOCK * (blocks * (t + 1) / nt);
         const int64_t n1 = end < n ? end : n;
-        switch (rows) { /* specialised: the accumulators of every row count in registers */
-            case 1: rows_range(1, x, x_stride, w, n, k, residual, out, n0, n1); break;
-            case 2: rows_range(2, x, x_stride, w, n, k, residual, out, n0, n1); break;
-            case 3: rows_range(3, x, x_stride, w, n, k, residual, out, n0, n1); break;
-            case 4: rows_range(4, x, x_stride, w, n, k, residual, out, n0, n1); break;
-            case 5: rows_range(5, x, x_stride, w, n, k, residual, out, n0, n1); break;
-            case 6: rows_range(6, x, x_stride, w, n, k, residual, out, n0, n1); break;
-            case 7: rows_range(7, x, x_stride, w, n, k, residual, out, n0, n1); break;
-            default: rows_range(8, x, x_stride, w, n, k, residual, out, n0, n1); break;
-        }
+        if (row_pairs) /* specialised: the accumulators of every row count in registers */
+            BY_ROWS(1)
+        else
+            BY_ROWS(0)
     }
     return 0;
 }

@@ -1,5 +1,5 @@
 """engine/linear.py: every path of a layer — MKL's `F.linear` on the plain weight, the C kernel for a few
-rows, oneDNN's GEMM on the prepacked weight — computes x @ weight.T to fp32 rounding, with and without the
+rows (two weight rows at a time or one), oneDNN's GEMM on the prepacked weight — computes x @ weight.T to fp32 rounding, with and without the
 residual sum, on every row count either side of the switches; calibration sets a path per row count."""
 
 from __future__ import annotations
@@ -9,11 +9,11 @@ import torch
 import torch.nn.functional as F
 
 from pdserve.engine import linear
-from pdserve.engine.linear import MKL, ONEDNN, SKINNY, Linear, calibrate_paths, fused
+from pdserve.engine.linear import MKL, ONEDNN, SKINNY, STREAM, Linear, calibrate_paths, fused
 from pdserve.kernels.skinny_linear import MAX_ROWS
 
 
-@pytest.mark.parametrize("path", [MKL, SKINNY, ONEDNN])
+@pytest.mark.parametrize("path", [MKL, SKINNY, STREAM, ONEDNN])
 @pytest.mark.parametrize("rows", [1, 2, 3, 8, 33])
 def test_every_path_and_row_count_equals_f_linear_to_fp32_rounding(rows: int, path: str, monkeypatch) -> None:
     monkeypatch.setattr(linear, "_PATHS", {m: path for m in range(1, MAX_ROWS + 1)})
@@ -60,6 +60,6 @@ def test_calibration_sets_a_path_for_each_row_count_and_leaves_the_rng_alone(mon
     torch.manual_seed(123)
     paths = calibrate_paths(layer, reps=2)
     assert torch.equal(torch.rand(3), want)
-    assert sorted(paths) == list(range(1, MAX_ROWS + 1)) and set(paths.values()) <= {MKL, SKINNY, ONEDNN}
+    assert sorted(paths) == list(range(1, MAX_ROWS + 1)) and set(paths.values()) <= {MKL, SKINNY, STREAM, ONEDNN}
     assert linear._PATHS == paths
     assert layer._path(torch.zeros(MAX_ROWS + 1, 256)) == ONEDNN  # past the table: always oneDNN

@@ -1,7 +1,7 @@
 """kernels/csrc/skinny_linear.c through kernels/skinny_linear.py: x @ weight.T (+ residual) for 1-8 rows
 equals the float64 product to fp32 rounding, for tiles cut short (out_features not a multiple of 16 or
-odd), long rows (in_features 1536), strided rows of x and one or two threads; what it cannot take, it
-says."""
+odd), long rows (in_features 1536), strided rows of x and one or two threads, and reading the weight one
+row at a time gives the same bits as two; what it cannot take, it says."""
 
 from __future__ import annotations
 
@@ -26,9 +26,14 @@ def test_every_row_count_equals_the_float64_product(n: int, k: int, threads: int
             residual = torch.randn(rows, n, generator=g)
             assert usable(x, weight)
             want = x.double() @ weight.double().T
-            torch.testing.assert_close(skinny_linear(x, weight).double(), want, rtol=1e-4, atol=1e-4)
+            pairs = skinny_linear(x, weight)
+            torch.testing.assert_close(pairs.double(), want, rtol=1e-4, atol=1e-4)
             torch.testing.assert_close(skinny_linear(x, weight, residual).double(), want + residual.double(),
                                        rtol=1e-4, atol=1e-4)
+            # one weight row at a time: the same sums in the same order, so the same bits
+            assert torch.equal(skinny_linear(x, weight, row_pairs=False), pairs)
+            assert torch.equal(skinny_linear(x, weight, residual, row_pairs=False),
+                               skinny_linear(x, weight, residual))
     finally:
         torch.set_num_threads(before)
 

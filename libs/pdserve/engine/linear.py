@@ -10,9 +10,11 @@ weight serves every row count: the batch-size hint (32) only picks oneDNN's bloc
 A decode step's GEMMs have as many rows as sequences and are bound by reading the weights, and there the
 best path depends on the CPU: on an Intel Xeon host (two threads, SmolLM2's 30 layers, weights read from
 memory) MKL's `F.linear` streams them at 25 GB/s for one row (oneDNN 19) but 11 GB/s for eight (oneDNN 16),
-and the C kernel kernels/csrc/skinny_linear.c (each weight row read once, times every row of x, with a
-software prefetch 8 KiB ahead) 26 / 21 / 20 GB/s for 1 / 4 / 8 rows; on AMD oneDNN read at 30-35 GB/s.
-So `calibrate_paths` times the three on the model's LM head for 1 to 8 rows when the model is built and
+and the C kernel kernels/csrc/skinny_linear.c (each weight row read once, times every row of x; two rows
+at a time with a software prefetch 8 KiB ahead) 26 / 21 / 20 GB/s for 1 / 4 / 8 rows. On an AMD EPYC
+host the same kernel reading one weight row at a time, as one linear stream the hardware prefetchers
+follow, read 31 / 26 / 19 GB/s where two at a time read 24 / 22 / 21 (a plain sum of the weights: 29).
+So `calibrate_paths` times the four on the model's LM head for 1 to 8 rows when the model is built and
 keeps, per row count, the fastest; more rows always take oneDNN. The plain weight is kept beside the
 packed one for MKL and the C kernel (the layer's weights twice in memory: +540 MB for SmolLM2 fp32).
 Where oneDNN is absent (or for a CUDA tensor) the layer is plain `F.linear`.
@@ -32,7 +34,8 @@ from pdserve.kernels import skinny_linear as skinny
 log = logging.getLogger(__name__)
 
 _BATCH_HINT = 32  # rows oneDNN blocks for; measured equal or better than 1 and 512 at every row count here
-MKL, SKINNY, ONEDNN = "mkl", "skinny", "onednn"  # F.linear on the plain weight, the C kernel, oneDNN packed
+# F.linear on the plain weight; the C kernel, two weight rows at a time or one (STREAM); oneDNN packed
+MKL, SKINNY, STREAM, ONEDNN = "mkl", "skinny", "stream", "onednn"
 # The path of each row count up to skinny.MAX_ROWS (more rows: oneDNN); `calibrate_paths` sets it.
 _PATHS: dict[int, str] = {1: MKL, 2: MKL}
 
@@ -46,7 +49,7 @@ class Linear:
     """`weight`: [out_features, in_features] fp32 (HF layout, no bias). Calls take `x`: [rows, in_features]
     and return [rows, out_features] in x's dtype; `x` may be a strided view. Each row count takes the path
     `_PATHS` names (oneDNN's on a prepacked copy of `weight` past it); a path that cannot take the call
-    (the C kernel: a row of x not contiguous, in_features not a multiple of 16) falls back to oneDNN.
+    (the C kernel's two: a row of x not contiguous, in_features not a multiple of 16) falls back to oneDNN.
     """
 
     def __init__(self, weight: torch.Tensor) -> None:
@@ -60,14 +63,14 @@ class Linear:
         if self._packed is None:
             return MKL
         path = _PATHS.get(x.shape[0], ONEDNN)
-        return ONEDNN if path == SKINNY and not (self._skinny and skinny.takes_rows(x)) else path
+        return ONEDNN if path in (SKINNY, STREAM) and not (self._skinny and skinny.takes_rows(x)) else path
 
     def __call__(self, x: torch.Tensor) -> torch.Tensor:
         path = self._path(x)
         if path == ONEDNN:
             return torch.ops.mkldnn._linear_pointwise(x, self._packed, None, "none", [], "")
-        if path == SKINNY:
-            return skinny.skinny_linear(x, self.weight)
+        if path in (SKINNY, STREAM):
+            return skinny.skinny_linear(x, self.weight, row_pairs=path == SKINNY)
         return F.linear(x, self.weight)
 
     def add(self, x: torch.Tensor, residual: torch.Tensor) -> torch.Tensor:
@@ -76,8 +79,8 @@ class Linear:
         path = self._path(x)
         if path == ONEDNN:
             return torch.ops.mkldnn._linear_pointwise.binary(x, residual, self._packed, None, "add")
-        if path == SKINNY:
-            return skinny.skinny_linear(x, self.weight, residual)
+        if path in (SKINNY, STREAM):
+            return skinny.skinny_linear(x, self.weight, residual, row_pairs=path == SKINNY)
         return torch.add(residual, F.linear(x, self.weight))
 
 
@@ -98,11 +101,26 @@ def best_time_s(fn: Callable[[], object], reps: int) -> float:
     return min(times)
 
 
-def calibrate_paths(layer: Linear, reps: int = 3) -> dict[int, str]:
-    """Set, for this process, the path (MKL, SKINNY or ONEDNN) of every Linear's calls of 1 to
-    skinny.MAX_ROWS rows: each timed on `layer` (best of `reps`), the fastest kept. Give it the LM head: big
-    enough to be read from memory as a decode step reads every weight (SmolLM2's: 113 MB; ~0.5 s in all).
-    Returns the table; without oneDNN, leaves it as it is."""
+def fastest(candidates: dict[str, Callable[[], object]], reps: int) -> str:
+    """The name of the candidate whose best of `reps` timed calls is the least, after one untimed call of
+    each; the calls taken in turn (each candidate once, then again), so a slow spell of a shared machine
+    slows them all rather than one."""
+    for fn in candidates.values():
+        fn()
+    best = dict.fromkeys(candidates, float("inf"))
+    for _ in range(reps):
+        for name, fn in candidates.items():
+            t0 = time.perf_counter()
+            fn()
+            best[name] = min(best[name], time.perf_counter() - t0)
+    return min(best, key=best.__getitem__)
+
+
+def calibrate_paths(layer: Linear, reps: int = 5) -> dict[int, str]:
+    """Set, for this process, the path (MKL, SKINNY, STREAM or ONEDNN) of every Linear's calls of 1 to
+    skinny.MAX_ROWS rows: each timed on `layer` (`fastest`: best of `reps`, the paths in turn), the fastest
+    kept. Give it the LM head: big enough to be read from memory as a decode step reads every weight
+    (SmolLM2's: 113 MB; ~1 s in all). Returns the table; without oneDNN, leaves it as it is."""
     global _PATHS
     if layer._packed is None:
         return dict(_PATHS)
@@ -117,8 +135,8 @@ def calibrate_paths(layer: Linear, reps: int = 3) -> dict[int, str]:
         }
         if layer._skinny and skinny.takes_rows(x):
             candidates[SKINNY] = lambda x=x: skinny.skinny_linear(x, layer.weight)
-        times = {name: best_time_s(fn, reps) for name, fn in candidates.items()}
-        paths[m] = min(times, key=times.__getitem__)
+            candidates[STREAM] = lambda x=x: skinny.skinny_linear(x, layer.weight, row_pairs=False)
+        paths[m] = fastest(candidates, reps)
     _PATHS = paths
     log.info("GEMM path by rows: %s; more rows: %s", paths, ONEDNN)
     return dict(paths)
