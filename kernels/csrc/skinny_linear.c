@@ -15,8 +15,9 @@
  * threads take contiguous ranges of BLOCK weight rows.
  *
  * That is `row_pairs` = 1. With `row_pairs` = 0 the weight rows are read one at a time instead, with no
- * software prefetch: the weight is then one linear stream, which the hardware prefetchers follow across
- * pages by themselves, at the cost of loading x's rows once per weight row rather than once per two.
+ * software prefetch: the weight is then one linear stream, left to the hardware prefetchers (page
+ * boundaries and all, they kept up with one stream where they did not with two on the host below), at
+ * the cost of loading x's rows once per weight row rather than once per two.
  * Which is faster depends on the CPU and the row count (an AMD EPYC host, two threads, SmolLM2's weights:
  * one row at a time read 31 / 26 / 19 GB/s for 1 / 4 / 8 rows of x, row pairs 24 / 22 / 21, a plain sum
  * of the same weights 29), so engine/linear.py times both per row count (`calibrate_paths`).

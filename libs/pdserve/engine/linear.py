@@ -12,8 +12,8 @@ best path depends on the CPU: on an Intel Xeon host (two threads, SmolLM2's 30 l
 memory) MKL's `F.linear` streams them at 25 GB/s for one row (oneDNN 19) but 11 GB/s for eight (oneDNN 16),
 and the C kernel kernels/csrc/skinny_linear.c (each weight row read once, times every row of x; two rows
 at a time with a software prefetch 8 KiB ahead) 26 / 21 / 20 GB/s for 1 / 4 / 8 rows. On an AMD EPYC
-host the same kernel reading one weight row at a time, as one linear stream the hardware prefetchers
-follow, read 31 / 26 / 19 GB/s where two at a time read 24 / 22 / 21 (a plain sum of the weights: 29).
+host the same kernel reading one weight row at a time, one linear stream left to the hardware
+prefetchers, read 31 / 26 / 19 GB/s where two at a time read 24 / 22 / 21 (a plain sum of the weights: 29).
 So `calibrate_paths` times the four on the model's LM head for 1 to 8 rows when the model is built and
 keeps, per row count, the fastest; more rows always take oneDNN. The plain weight is kept beside the
 packed one for MKL and the C kernel (the layer's weights twice in memory: +540 MB for SmolLM2 fp32).
