@@ -115,7 +115,8 @@ def paged_attention(q: torch.Tensor, kv_layer: torch.Tensor, meta: PagedAttentio
     Sequences with one new token (decode) are attended together: by the C kernel reading the blocks in place
     (csrc/paged_decode_attention.c) where it is built, else in one padded, masked batched matmul over
     gathered blocks (`torch_decode_attention`); sequences with several (prefill chunks) one by one, by the
-    C kernel reading the blocks in place (csrc/paged_prefill_attention.c) where it is built, else through
+    C kernel reading the blocks in place (csrc/paged_prefill_attention.c) where it is built and the CPU
+    has AVX-512 (`native.wide_vectors`: without it the kernel is 5-9x slower than SDPA), else through
     `causal_attention` over gathered blocks.
     Raises ValueError when the query lengths do not cover q's rows.
     """
@@ -124,7 +125,7 @@ def paged_attention(q: torch.Tensor, kv_layer: torch.Tensor, meta: PagedAttentio
     if meta.decode_seqs is None:  # a pure decode step: no rows to pick out or scatter back
         return _decode_attention(q, kv_layer, meta)
     out = torch.empty_like(q)
-    prefill = native_prefill_kernel() if _native_usable(q, kv_layer) else None
+    prefill = native_prefill_kernel() if _native_usable(q, kv_layer) and native.wide_vectors() else None
     start = 0
     for i, n in enumerate(meta.query_lens):
         if n > 1 and prefill is not None:

@@ -139,10 +139,38 @@ def test_a_mixed_batch_takes_the_kernels_for_its_decode_and_prefill_rows_and_mat
     meta = attention_metadata(tables, context_lens, query_lens, BLOCK_SIZE)
     q = torch.randn(sum(query_lens), 6, 16, generator=g)
     kernel()
+    monkeypatch.setattr(native, "wide_vectors", lambda: True)  # the prefill kernel on any CPU
     with_kernel = paged_attention(q, pool, meta)
     monkeypatch.setattr("pdserve.kernels.paged_attention.native_decode_kernel", lambda: None)
     monkeypatch.setattr("pdserve.kernels.paged_attention.native_prefill_kernel", lambda: None)
     torch.testing.assert_close(with_kernel, paged_attention(q, pool, meta), atol=2e-6, rtol=1e-5)
+
+
+def test_without_avx512_prefill_rows_take_sdpa_and_decode_rows_the_kernel(monkeypatch):
+    g = torch.Generator().manual_seed(6)
+    context_lens, query_lens = [11, 9], [3, 1]
+    pool, tables = filled_pool(context_lens, 2, 16, g)
+    meta = attention_metadata(tables, context_lens, query_lens, BLOCK_SIZE)
+    q = torch.randn(sum(query_lens), 6, 16, generator=g)
+    decode_calls = []
+    decode = native_decode_attention
+    monkeypatch.setattr(native, "wide_vectors", lambda: False)
+    monkeypatch.setattr("pdserve.kernels.paged_attention.native_prefill_attention",
+                        lambda *args: pytest.fail("the prefill kernel ran without AVX-512"))
+    monkeypatch.setattr("pdserve.kernels.paged_attention.native_decode_attention",
+                        lambda *args: decode_calls.append(1) or decode(*args))
+    out = paged_attention(q, pool, meta)
+    assert decode_calls == [1]
+    kv = gather_sequence_kv(pool, tables[0], context_lens[0])
+    torch.testing.assert_close(out[:3], causal_attention(q[:3], kv[:, K_INDEX], kv[:, V_INDEX]))
+
+
+def test_wide_vectors_reads_avx512f_from_the_cpu_flags(monkeypatch):
+    for flags, wide in (("fma avx avx2", False), ("avx2 avx512f avx512dq", True), ("avx512fp16", False)):
+        monkeypatch.setattr(native, "_cpu_identity", lambda f=flags: f"model name\t: X\nflags\t\t: {f}")
+        native.wide_vectors.cache_clear()
+        assert native.wide_vectors() is wide, flags
+    native.wide_vectors.cache_clear()
 
 
 def test_the_build_is_cached_per_source_and_cpu_and_can_be_switched_off(tmp_path, monkeypatch):
