@@ -39,8 +39,7 @@
 
 #include "vec16.h"
 
-/* The vector of the dot products: 16 floats (one zmm) with AVX-512; 8 (one ymm) otherwise, where a v16's
- * two ymm per accumulator would not fit 16 registers. */
+/* The vector of the dot products, LANES floats (the header says why 16 or 8). */
 #ifdef __AVX512F__
 #define LANES 16
 typedef v16 vec;
