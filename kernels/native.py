@@ -118,12 +118,12 @@ def cpu_fp32(*tensors: torch.Tensor) -> bool:
     return all(t.dtype == torch.float32 and t.device.type == "cpu" for t in tensors)
 
 
-def bind(name: str, argtypes: list) -> Callable[..., int] | None:
-    """csrc/<name>.c's function `name`, returning int, with `argtypes` as its C parameters, from `load`
-    (built on the first call); None where it cannot be built."""
+def bind(name: str, argtypes: list, symbol: str | None = None) -> Callable[..., int] | None:
+    """csrc/<name>.c's function `symbol` (default `name`), returning int, with `argtypes` as its C
+    parameters, from `load` (built on the first call); None where it cannot be built."""
     lib = load(name)
     if lib is None:
         return None
-    kernel = getattr(lib, name)
+    kernel = getattr(lib, symbol or name)
     kernel.argtypes, kernel.restype = argtypes, ctypes.c_int
     return kernel

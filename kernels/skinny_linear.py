@@ -1,6 +1,7 @@
 """`x @ weight.T (+ residual)` for 1-8 rows of x by the C kernel csrc/skinny_linear.c: a decode step's GEMMs,
-bound by reading the weights, streamed once from the weight as loaded. engine/linear.py takes it for the
-row counts where it measured fastest on this machine (`calibrate_paths`)."""
+bound by reading the weights, streamed once from a packed copy of the weight (`pack`: panels of
+`panel_width()` output features, each [in_features][panel_width]). engine/linear.py takes it for the row
+counts where it measured fastest on this machine (`calibrate_paths`)."""
 
 from __future__ import annotations
 
@@ -18,44 +19,64 @@ MAX_ROWS = 8
 def skinny_kernel() -> Callable[..., int] | None:
     """The C kernel, built on the first call; None where it cannot be built (kernels/native.py)."""
     i64, ptr = native.I64, native.PTR
-    # x, x_stride, w, n, k, residual (or NULL), out, rows, row_pairs, num_threads (csrc/skinny_linear.c)
-    return native.bind("skinny_linear", [ptr, i64, ptr, i64, i64, ptr, ptr, i64, native.INT, native.INT])
+    # x, x_stride, panels, n, k, residual (or NULL), out, rows, num_threads (csrc/skinny_linear.c)
+    return native.bind("skinny_linear", [ptr, i64, ptr, i64, i64, ptr, ptr, i64, native.INT])
+
+
+@functools.cache
+def _pack_kernel() -> Callable[..., int] | None:
+    # w, n, k, panels, num_threads (csrc/skinny_linear.c)
+    return native.bind("skinny_linear", [native.PTR, native.I64, native.I64, native.PTR, native.INT],
+                       symbol="skinny_pack")
+
+
+@functools.cache
+def panel_width() -> int:
+    """Output features per panel of the packed weight: 32 with AVX-512, 16 without (csrc/skinny_linear.c)."""
+    width = native.bind("skinny_linear", [], symbol="skinny_panel_width")
+    assert width is not None, "call only where skinny_kernel() is built"
+    return width()
 
 
 def takes_weight(weight: torch.Tensor) -> bool:
-    """Whether the kernel can take `weight` [n, k] (whatever x): contiguous fp32 on the CPU, k a multiple of
-    16, and the kernel built. A layer asks once, at load."""
-    return (weight.dim() == 2 and native.cpu_fp32(weight) and weight.is_contiguous()
-            and weight.shape[1] % 16 == 0 and skinny_kernel() is not None)
+    """Whether the kernel can take `weight` [n, k] (whatever x): 2-D fp32 on the CPU and the kernel built.
+    A layer asks once, at load."""
+    return weight.dim() == 2 and native.cpu_fp32(weight) and skinny_kernel() is not None
 
 
 def takes_rows(x: torch.Tensor) -> bool:
-    """Whether the kernel can take `x` [rows, k] against a weight it takes: fp32 on the CPU, 1-8 rows, each
-    row contiguous (rows may be strided)."""
+    """Whether the kernel can take `x` [rows, k]: fp32 on the CPU, 1-8 rows, each row contiguous (rows
+    may be strided)."""
     return x.dim() == 2 and 1 <= x.shape[0] <= MAX_ROWS and x.stride(1) == 1 and native.cpu_fp32(x)
 
 
-def usable(x: torch.Tensor, weight: torch.Tensor) -> bool:
-    """Whether the kernel can take `x` [rows, k] against `weight` [n, k] (`takes_weight` and `takes_rows`)."""
-    return takes_weight(weight) and takes_rows(x)
+def pack(weight: torch.Tensor) -> torch.Tensor:
+    """The kernel's copy of `weight` [n, k] (where `takes_weight`): [ceil(n / panel_width()), k,
+    panel_width()] fp32, panel p holding output features p * panel_width() onwards, transposed, the last
+    zero-padded. On `torch.get_num_threads()` threads."""
+    pack_c = _pack_kernel()
+    assert pack_c is not None and takes_weight(weight)
+    (n, k), width = weight.shape, panel_width()
+    weight = weight.contiguous()
+    panels = torch.empty(-(-n // width), k, width, dtype=torch.float32)
+    pack_c(weight.data_ptr(), n, k, panels.data_ptr(), torch.get_num_threads())
+    return panels
 
 
-def skinny_linear(x: torch.Tensor, weight: torch.Tensor, residual: torch.Tensor | None = None,
-                  row_pairs: bool = True) -> torch.Tensor:
-    """`residual + x @ weight.T` (`residual` [rows, n] contiguous, or None for none) as a new [rows, n] fp32
-    tensor, on `torch.get_num_threads()` threads. `row_pairs`: the weight read two rows at a time with a
-    software prefetch, else one row at a time as one linear stream (the same sums, in the same order;
-    which is faster depends on the CPU: csrc/skinny_linear.c). Call only where `usable(x, weight)`;
-    raises ValueError when the kernel refuses the shapes."""
+def skinny_linear(x: torch.Tensor, panels: torch.Tensor, n: int,
+                  residual: torch.Tensor | None = None) -> torch.Tensor:
+    """`residual + x @ weight.T` as a new [rows, n] fp32 tensor, `panels` = `pack(weight)` of the [n, k]
+    weight and `residual` [rows, n] (made contiguous) or None for none; on `torch.get_num_threads()`
+    threads. Call only where `takes_rows(x)`; raises ValueError when the kernel refuses the shapes."""
     kernel = skinny_kernel()
     assert kernel is not None
-    rows, (n, k) = x.shape[0], weight.shape
+    rows, k = x.shape
     out = torch.empty(rows, n, dtype=torch.float32)
     if residual is not None:
         residual = residual.contiguous()
-    status = kernel(x.data_ptr(), x.stride(0), weight.data_ptr(), n, k,
+    status = kernel(x.data_ptr(), x.stride(0), panels.data_ptr(), n, k,
                     residual.data_ptr() if residual is not None else None, out.data_ptr(), rows,
-                    int(row_pairs), torch.get_num_threads())
+                    torch.get_num_threads())
     if status:
         raise ValueError(f"skinny_linear refused {rows} rows of {k} against {n} outputs")
     return out

@@ -1,35 +1,32 @@
 /* y = x @ w.T (+ residual) for a few rows of x (fp32, CPU): the GEMMs of a decode step.
  *
  * A decode step of B sequences multiplies B rows by every weight of the model once: for B <= 8 the step is
- * bound by reading the weights, not by FLOPs (2 B FLOP per 4-byte weight). Blocked GEMM libraries tuned
- * for many rows leave bandwidth unused there: on an Intel Xeon host oneDNN's prepacked GEMM read
- * SmolLM2's weights at 16 GB/s for 8 rows on two threads where a copy reaches 26 GB/s
- * (engine/linear.py). This kernel streams each weight row once, straight from the weight as loaded
- * ([out_features, in_features], HF's layout), and multiplies it by every row of x while it is in
- * registers: two weight rows at a time, LANES floats at a time, one accumulator per (weight row,
- * x row), so x's rows (at most 8 x 1536 floats, 48 KiB: L1 or L2) are loaded once per two weight rows. The
- * hardware prefetchers stop at page boundaries, so the weight is prefetched PREFETCH floats (8 KiB) ahead
- * in software: without it the kernel read 14 GB/s for 8 rows, with it 20 (the Intel host above). The
- * 2 x rows accumulators are reduced together at the end of the row pair (`sum_lanes`: LANES - 1
- * shuffle-adds for LANES sums) into a tile of BLOCK outputs per row of x, written out a cache line at a
- * time. OpenMP threads take contiguous ranges of BLOCK weight rows.
+ * bound by reading the weights (2 B FLOP per 4-byte weight), and blocked GEMM libraries tuned for many rows
+ * leave bandwidth unused there (oneDNN's prepacked GEMM: 16 GB/s for 8 rows on an Intel Xeon host's two
+ * threads where a copy reaches 26; engine/linear.py).
  *
- * LANES is 16 (one zmm, vec16.h's v16) with AVX-512 and 8 (one ymm) without: with AVX2 alone a v16 is two
- * ymm, and 16 accumulators of two would not fit AVX2's 16 registers. Measured on an AMD EPYC host with
- * AVX2 only (Zen 1, one thread, all of SmolLM2's weights), one row at a time: 7.7 / 6.0 / 4.7 GB/s for
- * 1 / 4 / 8 rows of x with 8 lanes against 4.1 / 1.6 / 0.7 with v16 (a plain sum: 9.4).
+ * The weight is read from its own packed copy (`skinny_pack`, once at load): panels of NR consecutive
+ * output features, each panel [k][NR], i.e. the panel's NR weight rows transposed, the last panel
+ * zero-padded. For each k a panel gives NR weights of one input feature side by side; each row m of x
+ * contributes x[m][k] times them to NR accumulators (a broadcast and NV fused multiply-adds), so the
+ * accumulators hold whole outputs at the end of the panel: no horizontal sums, x's rows (at most 8 x 1536
+ * floats, 48 KiB) read a float at a time from L1 / L2, and the weight one linear stream that the hardware
+ * prefetchers keep ahead of (a panel of SmolLM2's is 72-192 KiB). This is the inner kernel of the
+ * GotoBLAS / BLIS GEMM (K. Goto and R. van de Geijn, "Anatomy of high-performance matrix multiplication",
+ * ACM TOMS 34(3), 2008) with the x panel left in place, as a few rows need no packing.
  *
- * That is `row_pairs` = 1. With `row_pairs` = 0 the weight rows are read one at a time instead, with no
- * software prefetch: the weight is then one linear stream, left to the hardware prefetchers (page
- * boundaries and all, they kept up with one stream where they did not with two on the host below), at
- * the cost of loading x's rows once per weight row rather than once per two.
- * Which is faster depends on the CPU and the row count (an AMD EPYC host, two threads, SmolLM2's weights:
- * one row at a time read 31 / 26 / 19 GB/s for 1 / 4 / 8 rows of x, row pairs 24 / 22 / 21, a plain sum
- * of the same weights 29), so engine/linear.py times both per row count (`calibrate_paths`).
+ * NR is two vectors (32 floats with AVX-512, 16 with AVX2 alone), and a panel is read against GROUP rows of x
+ * at a time: 8 with AVX-512 (16 accumulators, 19 of its 32 registers with the two weight vectors and the
+ * broadcast), 4 with AVX2 (8 + 3 of its 16; more rows re-read the panel from L1 / L2). Measured on an AMD
+ * EPYC host (AVX-512, all of SmolLM2's weights, two threads): 28.9 / 29.1 / 28.1 GB/s for 1 / 4 / 8 rows,
+ * where the kernel this replaced (each weight row in HF's layout dotted with every row of x, reduced
+ * across lanes at the end of the row) read 30.9 / 24.8 / 21.3; one thread 25.8 / 26.4 / 22.0 against
+ * 25.4 / 20.8 / 11.9; an 8-sequence decode step of the engine 48 -> 31 ms. The AVX2 build, run on the
+ * same host: 20.8 GB/s for 8 rows on two threads, the kernel it replaced 20.5.
  *
- * Layouts (row-major fp32): x [rows, k], rows x_stride floats apart; w [n, k] contiguous; residual NULL or
- * [rows, n] contiguous; out [rows, n] contiguous. Returns 0; -2 when rows is not in 1..8 or k is not a
- * multiple of 16.
+ * Layouts (row-major fp32): x [rows, k], rows x_stride floats apart; w [n, k] contiguous; panels
+ * [ceil(n / NR), k, NR]; residual NULL or [rows, n] contiguous; out [rows, n] contiguous. skinny_linear
+ * returns 0, or -2 when rows is not in 1..8. OpenMP threads take contiguous ranges of panels.
  */
 #include <stdint.h>
 #include <string.h>
@@ -39,99 +36,75 @@
 
 #include "vec16.h"
 
-/* The vector of the dot products, LANES floats (the header says why 16 or 8). */
 #ifdef __AVX512F__
 #define LANES 16
+#define GROUP 8
 typedef v16 vec;
-static inline vec loadv(const float *p) { return load16(p); }
-static inline vec sum_lanes(const vec x[16]) { return sum_lanes16(x); }
 #else
 #define LANES 8
+#define GROUP 4
 typedef float vec __attribute__((vector_size(32)));
-typedef int32_t ivec __attribute__((vector_size(32)));
-static inline vec loadv(const float *p) { vec v; memcpy(&v, p, sizeof v); return v; }
-/* lane t = the sum of x[t]'s 8 lanes (sum_lanes16's folding, three rounds) */
-static inline vec sum_lanes(const vec x[8]) {
-    vec a[4], b[2];
-    for (int j = 0; j < 4; j++)
-        a[j] = __builtin_shuffle(x[2 * j], x[2 * j + 1], (ivec){0, 1, 2, 3, 8, 9, 10, 11})
-             + __builtin_shuffle(x[2 * j], x[2 * j + 1], (ivec){4, 5, 6, 7, 12, 13, 14, 15});
-    for (int j = 0; j < 2; j++)
-        b[j] = __builtin_shuffle(a[2 * j], a[2 * j + 1], (ivec){0, 1, 8, 9, 4, 5, 12, 13})
-             + __builtin_shuffle(a[2 * j], a[2 * j + 1], (ivec){2, 3, 10, 11, 6, 7, 14, 15});
-    const vec c = __builtin_shuffle(b[0], b[1], (ivec){0, 8, 2, 10, 4, 12, 6, 14})
-                + __builtin_shuffle(b[0], b[1], (ivec){1, 9, 3, 11, 5, 13, 7, 15});
-    return __builtin_shuffle(c, (ivec){0, 4, 2, 6, 1, 5, 3, 7});
-}
 #endif
-
+#define NV 2
+#define NR (NV * LANES) /* output features per panel */
 #define MAX_ROWS 8
-#define PREFETCH 2048 /* floats ahead of the row being read: 8 KiB (2, 4 and 16 KiB measured slower) */
-#define BLOCK 16 /* weight rows per tile: one 64-byte line of out per x row */
 
-/* Weight rows [n0, n1) against `rows` rows of x (`rows` and `pairs` constants where the caller is
- * specialised, so the accumulators stay in registers), BLOCK weight rows at a time: their sums are kept in
- * a tile and written as one cache line per row of out. `pairs`: two weight rows at a time, prefetched in
- * software; else one, left to the hardware prefetchers. */
-static inline __attribute__((always_inline)) void rows_range(
-    const int64_t rows, const int pairs, const float *x, int64_t x_stride, const float *w, int64_t n,
-    int64_t k, const float *residual, float *out, int64_t n0, int64_t n1) {
-    for (int64_t jb = n0; jb < n1; jb += BLOCK) {
-        const int64_t width = n1 - jb < BLOCK ? n1 - jb : BLOCK;
-        float tile[MAX_ROWS][BLOCK];
-        for (int64_t j = 0; j < width; j += pairs ? 2 : 1) {
-            const int64_t pair = pairs && j + 1 < width ? 2 : 1;
-            const float *w0 = w + (jb + j) * k, *w1 = w0 + (pair - 1) * k; /* a lone last row is read twice */
-            vec acc[2 * MAX_ROWS] = {0};
-            for (int64_t i = 0; i < k; i += LANES) {
-                const vec a = loadv(w0 + i);
-                if (pairs) {
-                    __builtin_prefetch(w0 + i + PREFETCH);
-                    __builtin_prefetch(w1 + i + PREFETCH);
-                    const vec b = loadv(w1 + i);
-                    for (int64_t m = 0; m < rows; m++) {
-                        const vec xv = loadv(x + m * x_stride + i);
-                        acc[m] += a * xv;
-                        acc[MAX_ROWS + m] += b * xv;
-                    }
-                } else {
-                    for (int64_t m = 0; m < rows; m++) acc[m] += a * loadv(x + m * x_stride + i);
+static inline vec loadv(const float *p) { vec v; memcpy(&v, p, sizeof v); return v; }
+
+/* The output features a panel holds (NR), for the caller to size the packed copy. */
+int skinny_panel_width(void) { return NR; }
+
+/* panels[p][kk][j] = w[p * NR + j][kk], zero where p * NR + j >= n. */
+int skinny_pack(const float *w, int64_t n, int64_t k, float *panels, int num_threads) {
+    const int64_t count = (n + NR - 1) / NR;
+#pragma omp parallel for num_threads(num_threads) if (num_threads > 1)
+    for (int64_t p = 0; p < count; p++)
+        for (int64_t j = 0; j < NR; j++) {
+            const int64_t row = p * NR + j;
+            float *dst = panels + p * k * NR + j;
+            for (int64_t kk = 0; kk < k; kk++) dst[kk * NR] = row < n ? w[row * k + kk] : 0.0f;
+        }
+    return 0;
+}
+
+/* Panels [p0, p1) against `rows` rows of x (a constant where the caller is specialised, so the
+ * accumulators stay in registers), GROUP rows of x at a time over each panel. */
+static inline __attribute__((always_inline)) void panels_range(
+    const int64_t rows, const float *x, int64_t x_stride, const float *panels, int64_t n, int64_t k,
+    const float *residual, float *out, int64_t p0, int64_t p1) {
+    for (int64_t p = p0; p < p1; p++) {
+        const float *w = panels + p * k * NR;
+        const int64_t j0 = p * NR, width = n - j0 < NR ? n - j0 : NR;
+        for (int64_t m0 = 0; m0 < rows; m0 += GROUP) {
+            const int64_t group = rows - m0 < GROUP ? rows - m0 : GROUP;
+            const float *xg = x + m0 * x_stride;
+            vec acc[GROUP][NV] = {{0}};
+#pragma GCC unroll 4 /* measured: one row of x 21 -> 26 GB/s on one thread, four 24 -> 26 */
+            for (int64_t kk = 0; kk < k; kk++) {
+                vec wv[NV];
+                for (int v = 0; v < NV; v++) wv[v] = loadv(w + kk * NR + v * LANES);
+                for (int64_t m = 0; m < group; m++) {
+                    const float xm = xg[m * x_stride + kk];
+                    for (int v = 0; v < NV; v++) acc[m][v] += wv[v] * xm;
                 }
             }
-            float sums[2 * MAX_ROWS];
-            for (int g = 0; g < 2 * MAX_ROWS; g += LANES) {
-                const vec s = sum_lanes(acc + g);
-                memcpy(sums + g, &s, sizeof s);
-            }
-            for (int64_t m = 0; m < rows; m++) {
-                tile[m][j] = sums[m];
-                if (pairs) tile[m][j + 1] = sums[MAX_ROWS + m];
+            for (int64_t m = 0; m < group; m++) {
+                const int64_t row = (m0 + m) * n + j0;
+                float sums[NR];
+                memcpy(sums, acc[m], sizeof sums);
+                for (int64_t q = 0; q < width; q++)
+                    out[row + q] = (residual != NULL ? residual[row + q] : 0.0f) + sums[q];
             }
         }
-        for (int64_t m = 0; m < rows; m++)
-            for (int64_t q = 0; q < width; q++)
-                out[m * n + jb + q] = (residual != NULL ? residual[m * n + jb + q] : 0.0f) + tile[m][q];
     }
 }
 
-/* rows_range with `rows` and `pairs` as constants. */
-#define RANGE(R, P) rows_range(R, P, x, x_stride, w, n, k, residual, out, n0, n1)
-#define BY_ROWS(P)                                      \
-    switch (rows) {                                     \
-        case 1: RANGE(1, P); break;                     \
-        case 2: RANGE(2, P); break;                     \
-        case 3: RANGE(3, P); break;                     \
-        case 4: RANGE(4, P); break;                     \
-        case 5: RANGE(5, P); break;                     \
-        case 6: RANGE(6, P); break;                     \
-        case 7: RANGE(7, P); break;                     \
-        default: RANGE(8, P); break;                    \
-    }
+#define RANGE(R) panels_range(R, x, x_stride, panels, n, k, residual, out, p0, p1)
 
-int skinny_linear(const float *x, int64_t x_stride, const float *w, int64_t n, int64_t k,
-                  const float *residual, float *out, int64_t rows, int row_pairs, int num_threads) {
-    if (rows < 1 || rows > MAX_ROWS || k % 16) return -2;
-    const int64_t blocks = (n + BLOCK - 1) / BLOCK;
+int skinny_linear(const float *x, int64_t x_stride, const float *panels, int64_t n, int64_t k,
+                  const float *residual, float *out, int64_t rows, int num_threads) {
+    if (rows < 1 || rows > MAX_ROWS) return -2;
+    const int64_t count = (n + NR - 1) / NR;
 #pragma omp parallel num_threads(num_threads) if (num_threads > 1)
     {
 #ifdef _OPENMP
@@ -139,12 +112,17 @@ int skinny_linear(const float *x, int64_t x_stride, const float *w, int64_t n, i
 #else
         const int64_t t = 0, nt = 1;
 #endif
-        const int64_t n0 = BLOCK * (blocks * t / nt), end = BLOCK * (blocks * (t + 1) / nt);
-        const int64_t n1 = end < n ? end : n;
-        if (row_pairs) /* specialised: the accumulators of every row count in registers */
-            BY_ROWS(1)
-        else
-            BY_ROWS(0)
+        const int64_t p0 = count * t / nt, p1 = count * (t + 1) / nt;
+        switch (rows) { /* specialised: the accumulators of every row count in registers */
+            case 1: RANGE(1); break;
+            case 2: RANGE(2); break;
+            case 3: RANGE(3); break;
+            case 4: RANGE(4); break;
+            case 5: RANGE(5); break;
+            case 6: RANGE(6); break;
+            case 7: RANGE(7); break;
+            default: RANGE(8); break;
+        }
     }
     return 0;
 }

@@ -9,14 +9,13 @@ weight serves every row count: the batch-size hint (32) only picks oneDNN's bloc
 
 A decode step's GEMMs have as many rows as sequences and are bound by reading the weights, and there the
 best path depends on the CPU: on an Intel Xeon host (two threads, SmolLM2's 30 layers, weights read from
-memory) MKL's `F.linear` streams them at 25 GB/s for one row (oneDNN 19) but 11 GB/s for eight (oneDNN 16),
-and the C kernel kernels/csrc/skinny_linear.c (each weight row read once, times every row of x; two rows
-at a time with a software prefetch 8 KiB ahead) 26 / 21 / 20 GB/s for 1 / 4 / 8 rows. On an AMD EPYC
-host the same kernel reading one weight row at a time, one linear stream left to the hardware
-prefetchers, read 31 / 26 / 19 GB/s where two at a time read 24 / 22 / 21 (a plain sum of the weights: 29).
-So `calibrate_paths` times the four on the model's LM head for 1 to 8 rows when the model is built and
-keeps, per row count, the fastest; more rows always take oneDNN. The plain weight is kept beside the
-packed one for MKL and the C kernel (the layer's weights twice in memory: +540 MB for SmolLM2 fp32).
+memory) MKL's `F.linear` streams them at 25 GB/s for one row (oneDNN 19) but 11 GB/s for eight (oneDNN 16).
+The C kernel kernels/csrc/skinny_linear.c reads a packed copy of each weight as one stream and keeps
+whole outputs in its accumulators: on an AMD EPYC host (AVX-512, two threads) 31.9 / 31.5 / 30.7 GB/s for
+1 / 4 / 8 rows against oneDNN's 22.9 / 25.3 / 21.9 (the kernel's header has the rest). So
+`calibrate_paths` times the three on the model's LM head for 1 to 8 rows when the model is built and
+keeps, per row count, the fastest; more rows always take oneDNN. The plain weight is kept for MKL and
+the kernel's copy beside oneDNN's (the layer's weights three times in memory: +1.08 GB for SmolLM2 fp32).
 Where oneDNN is absent (or for a CUDA tensor) the layer is plain `F.linear`.
 """
 
@@ -34,8 +33,8 @@ from pdserve.kernels import skinny_linear as skinny
 log = logging.getLogger(__name__)
 
 _BATCH_HINT = 32  # rows oneDNN blocks for; measured equal or better than 1 and 512 at every row count here
-# F.linear on the plain weight; the C kernel, two weight rows at a time or one (STREAM); oneDNN packed
-MKL, SKINNY, STREAM, ONEDNN = "mkl", "skinny", "stream", "onednn"
+# F.linear on the plain weight; the C kernel on its packed copy; oneDNN on its prepacked copy
+MKL, SKINNY, ONEDNN = "mkl", "skinny", "onednn"
 # The path of each row count up to skinny.MAX_ROWS (more rows: oneDNN); `calibrate_paths` sets it.
 _PATHS: dict[int, str] = {1: MKL, 2: MKL}
 
@@ -48,8 +47,8 @@ def _onednn_usable(weight: torch.Tensor) -> bool:
 class Linear:
     """`weight`: [out_features, in_features] fp32 (HF layout, no bias). Calls take `x`: [rows, in_features]
     and return [rows, out_features] in x's dtype; `x` may be a strided view. Each row count takes the path
-    `_PATHS` names (oneDNN's on a prepacked copy of `weight` past it); a path that cannot take the call
-    (the C kernel's two: a row of x not contiguous, in_features not a multiple of 16) falls back to oneDNN.
+    `_PATHS` names (oneDNN's on a prepacked copy of `weight` past it); the C kernel, where a row of x is
+    not contiguous, falls back to oneDNN.
     """
 
     def __init__(self, weight: torch.Tensor) -> None:
@@ -57,20 +56,22 @@ class Linear:
         self.weight = weight.contiguous()
         self._packed = (torch.ops.mkldnn._reorder_linear_weight(self.weight, _BATCH_HINT)
                         if _onednn_usable(weight) else None)
-        self._skinny = skinny.takes_weight(self.weight)  # the C kernel's weight checks, once
+        # the C kernel's copy, only beside oneDNN's (without oneDNN every call is F.linear's)
+        self._panels = (skinny.pack(self.weight) if self._packed is not None and skinny.takes_weight(self.weight)
+                        else None)
 
     def _path(self, x: torch.Tensor) -> str:
         if self._packed is None:
             return MKL
         path = _PATHS.get(x.shape[0], ONEDNN)
-        return ONEDNN if path in (SKINNY, STREAM) and not (self._skinny and skinny.takes_rows(x)) else path
+        return ONEDNN if path == SKINNY and not (self._panels is not None and skinny.takes_rows(x)) else path
 
     def __call__(self, x: torch.Tensor) -> torch.Tensor:
         path = self._path(x)
         if path == ONEDNN:
             return torch.ops.mkldnn._linear_pointwise(x, self._packed, None, "none", [], "")
-        if path in (SKINNY, STREAM):
-            return skinny.skinny_linear(x, self.weight, row_pairs=path == SKINNY)
+        if path == SKINNY:
+            return skinny.skinny_linear(x, self._panels, self.out_features)
         return F.linear(x, self.weight)
 
     def add(self, x: torch.Tensor, residual: torch.Tensor) -> torch.Tensor:
@@ -79,8 +80,8 @@ class Linear:
         path = self._path(x)
         if path == ONEDNN:
             return torch.ops.mkldnn._linear_pointwise.binary(x, residual, self._packed, None, "add")
-        if path in (SKINNY, STREAM):
-            return skinny.skinny_linear(x, self.weight, residual, row_pairs=path == SKINNY)
+        if path == SKINNY:
+            return skinny.skinny_linear(x, self._panels, self.out_features, residual)
         return torch.add(residual, F.linear(x, self.weight))
 
 
@@ -117,14 +118,14 @@ def fastest(candidates: dict[str, Callable[[], object]], reps: int) -> str:
 
 
 def calibrate_paths(layer: Linear, reps: int = 5) -> dict[int, str]:
-    """Set, for this process, the path (MKL, SKINNY, STREAM or ONEDNN) of every Linear's calls of 1 to
+    """Set, for this process, the path (MKL, SKINNY or ONEDNN) of every Linear's calls of 1 to
     skinny.MAX_ROWS rows: each timed on `layer` (`fastest`: best of `reps`, the paths in turn), the fastest
     kept. Give it the LM head: big enough to be read from memory as a decode step reads every weight
     (SmolLM2's: 113 MB; ~1 s in all). Returns the table; without oneDNN, leaves it as it is."""
     global _PATHS
     if layer._packed is None:
         return dict(_PATHS)
-    packed_weight, gemm = layer._packed, torch.ops.mkldnn._linear_pointwise
+    packed_weight, panels, gemm = layer._packed, layer._panels, torch.ops.mkldnn._linear_pointwise
     paths: dict[int, str] = {}
     for m in range(1, skinny.MAX_ROWS + 1):
         # a generator of its own: the process's torch RNG (sampling seeds) is left as it was
@@ -133,9 +134,8 @@ def calibrate_paths(layer: Linear, reps: int = 5) -> dict[int, str]:
             MKL: lambda x=x: F.linear(x, layer.weight),
             ONEDNN: lambda x=x: gemm(x, packed_weight, None, "none", [], ""),
         }
-        if layer._skinny and skinny.takes_rows(x):
-            candidates[SKINNY] = lambda x=x: skinny.skinny_linear(x, layer.weight)
-            candidates[STREAM] = lambda x=x: skinny.skinny_linear(x, layer.weight, row_pairs=False)
+        if panels is not None:
+            candidates[SKINNY] = lambda x=x: skinny.skinny_linear(x, panels, layer.out_features)
         paths[m] = fastest(candidates, reps)
     _PATHS = paths
     log.info("GEMM path by rows: %s; more rows: %s", paths, ONEDNN)
