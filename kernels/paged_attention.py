@@ -85,11 +85,39 @@ def store_kv(kv_layer: torch.Tensor, slot_mapping: torch.Tensor, k: torch.Tensor
 
     kv_layer: [num_blocks, block_size, 2, num_kv_heads, head_dim] fp32; slot_mapping: [num_tokens] int64,
     slot = block_id * block_size + offset in block (vLLM's meaning); k, v: [num_tokens, num_kv_heads,
-    head_dim] fp32 (may be strided views).
+    head_dim] fp32 (may be strided views). By the C kernel csrc/store_kv.c where it is built and each
+    token's heads are contiguous, else by torch's index_put. Raises IndexError for a slot outside the pool.
     """
+    kernel = native_store_kernel()
+    if kernel is not None and _store_native(kv_layer, slot_mapping, k, v):
+        num_slots = kv_layer.shape[0] * kv_layer.shape[1]
+        status = kernel(kv_layer.data_ptr(), num_slots, slot_mapping.data_ptr(), slot_mapping.shape[0],
+                        k.data_ptr(), k.stride(0), v.data_ptr(), v.stride(0), k.shape[1] * k.shape[2])
+        if status:
+            raise IndexError(f"a slot of {slot_mapping.tolist()} is outside the pool's {num_slots}")
+        return
     rows = kv_layer.view(-1, *kv_layer.shape[2:])  # [num_slots, 2, kv_heads, head_dim]
     rows[slot_mapping, K_INDEX] = k
     rows[slot_mapping, V_INDEX] = v
+
+
+def _store_native(kv_layer: torch.Tensor, slot_mapping: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> bool:
+    """Whether csrc/store_kv.c can take the call as it is: fp32 on the CPU, the pool and the slots
+    contiguous (slots int64), each token's heads of k and v contiguous, as many as a pool row holds."""
+    heads = k.shape[1] * k.shape[2]
+    return (native.cpu_fp32(kv_layer, k, v) and kv_layer.is_contiguous() and kv_layer.shape[2] == 2
+            and kv_layer.shape[3] * kv_layer.shape[4] == heads and slot_mapping.dtype == torch.int64
+            and slot_mapping.is_contiguous() and slot_mapping.device.type == "cpu"
+            and all(t.stride(2) == 1 and t.stride(1) == t.shape[2] and t.shape[1] * t.shape[2] == heads
+                    for t in (k, v)))
+
+
+@functools.cache
+def native_store_kernel() -> Callable[..., int] | None:
+    """The C kernel `store_kv` calls (csrc/store_kv.c); None where it cannot be built."""
+    # kv, num_slots, slots, num_tokens, k, k_stride, v, v_stride, row (csrc/store_kv.c)
+    i64, ptr = native.I64, native.PTR
+    return native.bind("store_kv", [ptr, i64, ptr, i64, ptr, i64, ptr, i64, i64])
 
 
 def gather_sequence_kv(kv_layer: torch.Tensor, block_table: torch.Tensor, num_tokens: int) -> torch.Tensor:
