@@ -67,10 +67,13 @@ def skinny_linear(x: torch.Tensor, panels: torch.Tensor, n: int,
                   residual: torch.Tensor | None = None) -> torch.Tensor:
     """`residual + x @ weight.T` as a new [rows, n] fp32 tensor, `panels` = `pack(weight)` of the [n, k]
     weight and `residual` [rows, n] (made contiguous) or None for none; on `torch.get_num_threads()`
-    threads. Call only where `takes_rows(x)`; raises ValueError when the kernel refuses the shapes."""
+    threads. Call only where `takes_rows(x)`; raises ValueError when `panels` is not a packed [n, k]
+    weight or the kernel refuses the shapes."""
     kernel = skinny_kernel()
     assert kernel is not None
     rows, k = x.shape
+    if panels.dim() != 3 or panels.shape[1] != k or not 0 < n <= panels.shape[0] * panels.shape[2]:
+        raise ValueError(f"panels {tuple(panels.shape)} are no packed weight of {n} x {k}")
     out = torch.empty(rows, n, dtype=torch.float32)
     if residual is not None:
         residual = residual.contiguous()

@@ -21,7 +21,8 @@
  * EPYC host (AVX-512, all of SmolLM2's weights, two threads): 28.9 / 29.1 / 28.1 GB/s for 1 / 4 / 8 rows,
  * where the kernel this replaced (each weight row in HF's layout dotted with every row of x, reduced
  * across lanes at the end of the row) read 30.9 / 24.8 / 21.3; one thread 25.8 / 26.4 / 22.0 against
- * 25.4 / 20.8 / 11.9; an 8-sequence decode step of the engine 48 -> 31 ms. The AVX2 build, run on the
+ * 25.4 / 20.8 / 11.9 (oneDNN, two threads, in the first run of the same loop: 22.9 / 25.3 / 21.9 against
+ * its 31.9 / 31.5 / 30.7); an 8-sequence decode step of the engine 48 -> 31 ms. The AVX2 build, run on the
  * same host: 20.8 GB/s for 8 rows on two threads, the kernel it replaced 20.5.
  *
  * Layouts (row-major fp32): x [rows, k], rows x_stride floats apart; w [n, k] contiguous; panels

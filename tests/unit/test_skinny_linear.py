@@ -56,3 +56,8 @@ def test_what_the_kernel_cannot_take_it_says() -> None:
     assert not takes_rows(torch.randn(2, 32, dtype=torch.float64))  # not fp32
     assert not takes_weight(torch.randn(8, 32, dtype=torch.float64))
     assert not takes_weight(torch.randn(8))  # not a matrix
+    panels = pack(torch.randn(40, 32))
+    with pytest.raises(ValueError, match="no packed weight"):
+        skinny_linear(torch.randn(2, 24), panels, 40)  # in_features not the weight's
+    with pytest.raises(ValueError, match="no packed weight"):
+        skinny_linear(torch.randn(2, 32), panels, 40 + panel_width() * 2)  # more outputs than the panels hold

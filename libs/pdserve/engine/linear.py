@@ -11,8 +11,8 @@ A decode step's GEMMs have as many rows as sequences and are bound by reading th
 best path depends on the CPU: on an Intel Xeon host (two threads, SmolLM2's 30 layers, weights read from
 memory) MKL's `F.linear` streams them at 25 GB/s for one row (oneDNN 19) but 11 GB/s for eight (oneDNN 16).
 The C kernel kernels/csrc/skinny_linear.c reads a packed copy of each weight as one stream and keeps
-whole outputs in its accumulators: on an AMD EPYC host (AVX-512, two threads) 31.9 / 31.5 / 30.7 GB/s for
-1 / 4 / 8 rows against oneDNN's 22.9 / 25.3 / 21.9 (the kernel's header has the rest). So
+whole outputs in its accumulators: on an AMD EPYC host (AVX-512, two threads, SmolLM2's weights) 28-32
+GB/s for 1-8 rows where oneDNN read 22-25 (the kernel's header has the figures). So
 `calibrate_paths` times the three on the model's LM head for 1 to 8 rows when the model is built and
 keeps, per row count, the fastest; more rows always take oneDNN. The plain weight is kept for MKL and
 the kernel's copy beside oneDNN's (the layer's weights three times in memory: +1.08 GB for SmolLM2 fp32).
