@@ -34,7 +34,7 @@ from pdserve.engine.model_family import EngineModel
 from pdserve.engine.model_files import MODEL_NAMES, check_model_name, smollm2_gguf_path
 from pdserve.engine.tokenizer import Tokenizer, load_tokenizer
 from pdserve.kernels import native
-from pdserve.kernels.paged_attention import native_decode_kernel, native_prefill_kernel
+from pdserve.kernels.paged_attention import native_decode_kernel, native_prefill_kernel, native_store_kernel
 
 TINY_SEED = 1234
 _CACHE_FORMAT = 1  # bump when the cached tensor names or layout change
@@ -68,14 +68,15 @@ def build_model(
 ) -> EngineModel:
     """The engine model of `loaded`'s family (`LlamaModel` or `KimiLinearModel`) on `device` in `dtype`,
     with the process's GEMM path per row count calibrated on its LM head (engine/linear.py) and, on the CPU,
-    the C attention kernels a step will take built (kernels/native.py: ~1 s each, once per machine) before
-    a step needs them: the prefill one only where the CPU has AVX-512 (`native.wide_vectors`; without
-    it prefill attention takes SDPA, kernels/paged_attention.py)."""
+    the C attention and KV-write kernels a step will take built (kernels/native.py: ~1 s each, once per
+    machine) before the first step, which would otherwise compile them: the prefill one only where the CPU
+    has AVX-512 (`native.wide_vectors`; without it prefill attention takes SDPA, kernels/paged_attention.py)."""
     family = KimiLinearModel if isinstance(loaded.config, KimiLinearConfig) else LlamaModel
     model = family(loaded.config, loaded.weights, torch.device(device), dtype)
     calibrate_paths(model.lm_head)
     if model.device.type == "cpu":
         native_decode_kernel()
+        native_store_kernel()
         if native.wide_vectors():
             native_prefill_kernel()
     return model

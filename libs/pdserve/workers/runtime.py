@@ -3,7 +3,6 @@
 from __future__ import annotations
 
 import asyncio
-import gc
 import logging
 import os
 from collections.abc import Callable
@@ -46,12 +45,6 @@ def run_worker(default_role: Role,
         metrics.init_worker_series(settings.worker_id, receives_kv=settings.role is not Role.PREFILL,
                                    tiers=tuple(worker.core.tier_names))
         await worker.serve()
-        # Everything alive now (the model, modules, schemas: ~200k objects) lives as long as the process:
-        # frozen out of the collector's scans (as vLLM's engine core does), whose full ones took ~80 ms
-        # and landed inside steps. Served colocated, 128-token prompts one at a time: prefill steps
-        # 170-180 -> 154-168 ms (163 in process), client TTFT p50 186 -> 172 ms.
-        gc.collect()
-        gc.freeze()
         engine = bus.spawn(worker.core.loop.run())
         engine.set_name(f"{settings.worker_id} engine loop")
         tasks = [bus.spawn(worker.heartbeats.run()), engine]
