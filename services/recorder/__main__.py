@@ -18,8 +18,9 @@ from pdserve.store.recorder import Recorder
 # with their batch: a young-generation collection every 700 allocations (CPython's default) runs many
 # times per batch for nothing; every 20,000 it still runs a few times per 500-event batch (memory stays
 # bounded by a batch or two). Everything alive at start is frozen out of the collector's scans by
-# `run_service` (as in every service). In-process drains of a 60k-event backlog, 3 alternating pairs at load ~5: recorder
-# CPU 43.7/52.0/46.0 µs per event with the defaults, 44.3/38.5/39.8 with this: a few µs, near the noise.
+# `run_service` (as in every service). In-process drains of a 60k-event backlog, 3 alternating pairs at
+# load ~5: recorder CPU 43.7/52.0/46.0 µs per event with the defaults, 44.3/38.5/39.8 with this: a few
+# µs, near the noise.
 GC_THRESHOLD = (20_000, 20, 10)
 
 

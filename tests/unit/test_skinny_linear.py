@@ -8,8 +8,15 @@ from __future__ import annotations
 import pytest
 import torch
 
-from pdserve.kernels.skinny_linear import MAX_ROWS, pack, panel_width, skinny_kernel, skinny_linear, takes_rows, \
-    takes_weight
+from pdserve.kernels.skinny_linear import (
+    MAX_ROWS,
+    pack,
+    panel_width,
+    skinny_kernel,
+    skinny_linear,
+    takes_rows,
+    takes_weight,
+)
 
 pytestmark = pytest.mark.skipif(skinny_kernel() is None, reason="no C compiler: the kernel is not built")
 
@@ -44,8 +51,8 @@ def test_every_row_count_equals_the_float64_product(n: int, k: int, threads: int
             assert takes_rows(x)
             want = x.double() @ weight.double().T
             torch.testing.assert_close(skinny_linear(x, panels, n).double(), want, rtol=1e-4, atol=1e-4)
-            torch.testing.assert_close(skinny_linear(x, panels, n, residual).double(), want + residual.double(),
-                                       rtol=1e-4, atol=1e-4)
+            torch.testing.assert_close(skinny_linear(x, panels, n, residual).double(),
+                                       want + residual.double(), rtol=1e-4, atol=1e-4)
     finally:
         torch.set_num_threads(before)
 

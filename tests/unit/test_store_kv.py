@@ -10,7 +10,8 @@ import torch
 from pdserve.kernels import paged_attention
 from pdserve.kernels.paged_attention import K_INDEX, V_INDEX, native_store_kernel, store_kv
 
-pytestmark = pytest.mark.skipif(native_store_kernel() is None, reason="no C compiler: the kernel is not built")
+pytestmark = pytest.mark.skipif(native_store_kernel() is None,
+                                reason="no C compiler: the kernel is not built")
 
 NUM_BLOCKS, BLOCK_SIZE, KV_HEADS, HEAD_DIM = 6, 4, 3, 16
 

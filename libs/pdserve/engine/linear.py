@@ -57,8 +57,8 @@ class Linear:
         self._packed = (torch.ops.mkldnn._reorder_linear_weight(self.weight, _BATCH_HINT)
                         if _onednn_usable(weight) else None)
         # the C kernel's copy, only beside oneDNN's (without oneDNN every call is F.linear's)
-        self._panels = (skinny.pack(self.weight) if self._packed is not None and skinny.takes_weight(self.weight)
-                        else None)
+        packable = self._packed is not None and skinny.takes_weight(self.weight)
+        self._panels = skinny.pack(self.weight) if packable else None
 
     def _path(self, x: torch.Tensor) -> str:
         if self._packed is None:
