@@ -16,7 +16,7 @@ from typing import Any, ClassVar
 from pydantic import BaseModel, ConfigDict, Field
 
 from pdserve.ids import new_id
-from pdserve.messages import FinishReason, PrefillOutcome, RouteOutcome, SamplingParams
+from pdserve.messages import FinishReason, PrefillOutcome, RouteOutcome, SamplingParams, Submit
 
 SCHEMA_VERSION = 1
 
@@ -43,6 +43,18 @@ class RequestReceived(Payload):
     stop: list[str] = []
     include_usage: bool = False
     received_ts: float | None = None
+
+    @classmethod
+    def of(cls, submit: Submit) -> RequestReceived:
+        """The event of a gateway's `submit` (its `receipt` set; ValueError otherwise)."""
+        r = submit.receipt
+        if r is None:
+            raise ValueError(f"Submit of {submit.request_id} has no receipt: its RequestReceived is stored")
+        return cls(model=submit.model, endpoint=r.endpoint, num_prompt_tokens=len(submit.prompt_token_ids),
+                   max_tokens=submit.sampling.max_tokens, stream=r.stream,
+                   prompt_token_ids=list(submit.prompt_token_ids), sampling=submit.sampling,
+                   cache_salt=submit.cache_salt, stop=list(r.stop), include_usage=r.include_usage,
+                   received_ts=submit.received_ts)
 
 
 class RequestRouted(Payload, RouteOutcome):
@@ -245,9 +257,11 @@ class Event(BaseModel):
 
     @classmethod
     def of(cls, request_id: str, payload: Payload, *, service: str, worker_id: str | None = None,
-           trace_id: str | None = None, span_id: str | None = None) -> Event:
-        return cls(request_id=request_id, type=payload.type, service=service, worker_id=worker_id,
-                   trace_id=trace_id, span_id=span_id, payload=payload.model_dump(mode="json"))
+           trace_id: str | None = None, span_id: str | None = None, event_id: str | None = None) -> Event:
+        """`event_id`: a fresh one unless given (an event its producer may publish again: `Receipt`)."""
+        return cls(event_id=event_id or new_id(), request_id=request_id, type=payload.type, service=service,
+                   worker_id=worker_id, trace_id=trace_id, span_id=span_id,
+                   payload=payload.model_dump(mode="json"))
 
     def typed_payload(self) -> Payload | None:
         """The payload as its class, or None for an unknown type or a newer schema version."""

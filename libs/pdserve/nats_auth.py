@@ -29,9 +29,10 @@ WORKER_ROLES = ("prefill", "decode", "unified")
 # The lifecycle event types each kind of service emits (`Bus.emit`): its only event subjects.
 EMITS: dict[str, tuple[str, ...]] = {
     "gateway": ("RequestReceived", "RequestFailed"),
-    "coordinator": ("RequestRouted", "DecodeReserved", "AdmissionDeferred", "RequestMigrated",
-                    "RequestRecovered", "RequestTakenOver", "RequestCompleted", "RequestFailed",
-                    "RequestAborted"),
+    # RequestReceived: stored from the gateway's Submit before the coordinator accepts it
+    "coordinator": ("RequestReceived", "RequestRouted", "DecodeReserved", "AdmissionDeferred",
+                    "RequestMigrated", "RequestRecovered", "RequestTakenOver", "RequestCompleted",
+                    "RequestFailed", "RequestAborted"),
     # DecodeReserved: a local placement's, reserved by its prefill command (workers/prefill.py)
     "worker": ("DecodeReserved", "PrefillStarted", "PrefillCompleted", "TransferCompleted",
                "ChecksumMismatch", "DecodeStarted", "TokensCommitted"),

@@ -305,7 +305,7 @@ async def test_lifecycle_endpoint_reads_the_recorded_events(client, coord, token
     assert r.status_code == 200, r.text
     received = [e for e in r.json()["events"] if e["type"] == "RequestReceived"]
     assert received and received[0]["payload"]["endpoint"] == "/v1/completions"
-    assert received[0]["service"] == "gateway"
+    assert received[0]["service"] == "coordinator"  # stored from the Submit's receipt
     r = await client.get(f"/v1/requests/{refused}")
     assert [e["type"] for e in r.json()["events"]] == ["RequestReceived", "RequestFailed"]
     assert r.json()["events"][1]["payload"]["phase"] == "submit"

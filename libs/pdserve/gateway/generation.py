@@ -1,7 +1,8 @@
 """One request's generation as the gateway sees it: submit on the bus, then text deltas until the end.
 
 docs/architecture.md §3 step 1: subscribe to `pds.tokens.<request_id>` before submitting (no chunk can be
-missed), emit `RequestReceived`, send `Submit` to the coordinator, then turn `TokenChunk`s into text:
+missed), send `Submit` to the coordinator (which stores the request's `RequestReceived` before it accepts;
+a Submit no coordinator accepts is recorded here), then turn `TokenChunk`s into text:
 reorder and dedupe (`ChunkReassembler`), detokenize incrementally, cut at stop strings. Token chunks ride
 core NATS, at most once: a chunk lost on the way (a NATS server of a cluster died with it in flight) is
 filled from the request's journal, its `TokensCommitted` and terminal events in JetStream, read every
@@ -31,8 +32,19 @@ from pdserve.gateway.prompt import PreparedRequest, Tokenizer
 from pdserve.gateway.responses import Usage
 from pdserve.gateway.stop_strings import StopStringMatcher
 from pdserve.gateway.token_stream import ChunkReassembler, event_chunk
+from pdserve.ids import new_id
 from pdserve.lifecycle.journal import request_events
-from pdserve.messages import Abort, Accepted, Ack, FinishReason, RejectCode, Submit, TokenChunk, TokenLogprobs
+from pdserve.messages import (
+    Abort,
+    Accepted,
+    Ack,
+    FinishReason,
+    Receipt,
+    RejectCode,
+    Submit,
+    TokenChunk,
+    TokenLogprobs,
+)
 
 log = logging.getLogger(__name__)
 
@@ -112,30 +124,24 @@ class Generation:
         """Call with the request's span current: its context rides on the Submit and later Aborts."""
         self._trace_context = otel_context.get_current()
         subjects = self.bus.subjects
-        # Not flushed one by one: RequestReceived, published next on this connection, is acknowledged only
-        # after the server has processed both subscriptions, and nothing reaches them before the Submit.
+        # Not flushed one by one: the Submit, published next on this connection, reaches the server after
+        # both subscriptions, and nothing reaches them before a coordinator has the Submit.
         self._sub = await self.bus.subscribe(subjects.tokens(self.request_id), TokenChunk, self._queue.put,
                                              flush=False)
         self._event_sub = await self.bus.subscribe(subjects.event(self.request_id, PrefillCompleted.type),
                                                    Event, self._note_event, flush=False)
-        # Stored before the Submit: the request's first event in the stream, and what recovery resumes from.
-        await self.bus.emit_stored(self.request_id, RequestReceived(
-            model=self.model, endpoint=self.endpoint, num_prompt_tokens=self.num_prompt_tokens,
-            max_tokens=self.prepared.sampling.max_tokens, stream=self.stream,
-            prompt_token_ids=list(self.prepared.prompt_token_ids), sampling=self.prepared.sampling,
-            cache_salt=self.cache_salt, stop=list(self.prepared.stop), include_usage=self.include_usage,
-            received_ts=self.received_ts))
+        receipt = Receipt(event_id=new_id(), endpoint=self.endpoint, stream=self.stream,
+                          stop=tuple(self.prepared.stop), include_usage=self.include_usage)
         submit = Submit(request_id=self.request_id, model=self.model,
                         prompt_token_ids=self.prepared.prompt_token_ids, sampling=self.prepared.sampling,
-                        cache_salt=self.cache_salt, received_ts=self.received_ts)
+                        cache_salt=self.cache_salt, received_ts=self.received_ts, receipt=receipt)
         try:
             await self._submit(submit)
         except RejectedError as e:
-            # The coordinator records nothing for a Submit it refuses: the gateway closes the lifecycle.
-            await self.bus.emit(self.request_id, RequestFailed(phase="submit", reason=str(e)))
+            await self._record_refusal(submit, str(e))
             raise from_rejection(e) from e
         except BusTimeout as e:
-            await self.bus.emit(self.request_id, RequestFailed(phase="submit", reason=str(e)))
+            await self._record_refusal(submit, str(e))
             self.abort("coordinator did not answer the submit")  # in case it got it after all
             raise APIError(503, "The coordinator is not answering; try again later.",
                            code="coordinator_unavailable", headers={"Retry-After": "1"}) from e
@@ -281,6 +287,15 @@ class Generation:
             except Exception as e:  # connection already closed: nothing left to free
                 log.debug("unsubscribe of %s failed: %s", self.request_id, e)
         self._sub = self._event_sub = None
+
+    async def _record_refusal(self, submit: Submit, reason: str) -> None:
+        """No coordinator accepted `submit`: the gateway closes the request's lifecycle in the log, its
+        `RequestReceived` (stored once under the receipt's id, whoever stored it first) then
+        `RequestFailed` (phase submit)."""
+        assert submit.receipt is not None
+        received = RequestReceived.of(submit)
+        await self.bus.emit_stored(self.request_id, received, event_id=submit.receipt.event_id)
+        await self.bus.emit(self.request_id, RequestFailed(phase="submit", reason=reason))
 
     async def _submit(self, submit: Submit) -> None:
         """Send the Submit, again every `SUBMIT_TRY_S` without an answer, for up to `SUBMIT_WAIT_S`: the

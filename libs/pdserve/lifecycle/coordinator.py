@@ -20,7 +20,7 @@ from sqlalchemy.ext.asyncio import AsyncEngine
 
 from pdserve.bus import Bus, RejectedError
 from pdserve.config import CoordinatorSettings
-from pdserve.events import RequestFailed, RequestRecovered, RequestTakenOver
+from pdserve.events import RequestFailed, RequestReceived, RequestRecovered, RequestTakenOver
 from pdserve.lifecycle.liveness import WorkerLiveness
 from pdserve.lifecycle.ownership import Ownership, Taken
 from pdserve.lifecycle.recovery import Unfinished, Unresumable, plan, read_log, read_requests
@@ -83,7 +83,9 @@ class Coordinator:
 
     async def submit(self, req: Submit) -> Accepted:
         """Start a request; a Submit of a request already in flight (the gateway retried, or recovery
-        resumed it first) is accepted again without a second run. Raises RejectedError(CAPACITY) while
+        resumed it first) is accepted again without a second run. A Submit with a receipt is accepted
+        once its `RequestReceived` is stored, which runs beside the route's and the claim's round trips;
+        the run starts after it. Raises RejectedError(CAPACITY) while
         `max_waiting_requests` requests await admission (the gateway answers 503 + Retry-After). Counting
         every accepted request not yet reserved — not only those already told decode is full — keeps the
         bound when a burst of Submits arrives before any of them has reached a decode worker."""
@@ -97,10 +99,12 @@ class Coordinator:
             # counted as waiting while the claim's round trip runs, so Submits arriving meanwhile see it
             self.claiming.add(rid)
             lifecycle = self._lifecycle(req)
-            lifecycle.route_ahead()  # the route's round trip overlaps the claim's
+            lifecycle.route_ahead()  # the route's round trip overlaps the claim's and the store's
+            stored = self.bus.spawn(self._store_received(req))
             owner: str | None = ""
             try:
                 owner = await self.ownership.claim(rid)
+                await stored  # accepted means stored, and the run's events follow it
             except Exception as e:  # the lease bucket unreachable from here (NATS or its quorum lost)
                 raise RejectedError(RejectCode.UNAVAILABLE, f"request lease not claimed: {e!r}") from e
             finally:
@@ -112,6 +116,12 @@ class Coordinator:
             # else another coordinator owns it (a retried Submit), or a duplicate here is being started:
             # accepted without a second run; if that owner dies, its lease's takeover resumes it
         return Accepted(request_id=req.request_id)
+
+    async def _store_received(self, req: Submit) -> None:
+        """Store the request's `RequestReceived` from the gateway's receipt (nothing without one): under
+        the receipt's event id, so a Submit sent again stores it once."""
+        if req.receipt is not None:
+            await self.bus.emit_stored(req.request_id, RequestReceived.of(req), event_id=req.receipt.event_id)
 
     async def abort(self, req: Abort) -> Ack:
         """Cancel a request in any phase; its lifecycle emits RequestAborted and releases its KV."""

@@ -42,7 +42,7 @@ from pdserve.engine.kv_events import (
 from pdserve.engine.outputs import FinishReason, TokenLogprobs
 from pdserve.engine.sampling_params import SamplingParams
 from pdserve.messages.common import Ack, Message, RejectCode, Rejected, Role
-from pdserve.messages.coordinator import Abort, Accepted, DecodeFinished, Submit, TokenChunk
+from pdserve.messages.coordinator import Abort, Accepted, DecodeFinished, Receipt, Submit, TokenChunk
 from pdserve.messages.heartbeat import CompatibilityDescriptor, Heartbeat
 from pdserve.messages.kv_events import KVDigest, KVEvents
 from pdserve.messages.router import (
@@ -107,6 +107,7 @@ __all__ = [
     "SamplingParams",
     "StartDecode",
     "Subjects",
+    "Receipt",
     "Submit",
     "TokenChunk",
     "TokenLogprobs",

@@ -10,13 +10,33 @@ from pdserve.engine.sampling_params import SamplingParams
 from pdserve.messages.common import Message
 
 
+class Receipt(Message):
+    """What the request's `RequestReceived` event holds beyond its `Submit`, as the gateway received it:
+    the endpoint, whether it streams, its stop strings and `include_usage`, and `event_id`, the id the
+    event is stored under (JetStream drops a second publish of one id, so a Submit sent again to another
+    coordinator stores the event once)."""
+
+    event_id: str
+    endpoint: str
+    stream: bool
+    stop: tuple[str, ...] = ()
+    include_usage: bool = False
+
+
 class Submit(Message):
+    """A request for the coordinator to run. With `receipt` (the gateway's Submits) the coordinator stores
+    the request's first event, `RequestReceived`, before it answers `Accepted` — while the route's and the
+    lease claim's round trips are in flight, so accepting costs no round trip of its own — and starts the
+    run only once it is stored, so every later event of the request follows it in the stream. Without
+    (recovery's, rebuilt from that event) it is stored already."""
+
     request_id: str
     model: str
     prompt_token_ids: tuple[int, ...] = Field(min_length=1)
     sampling: SamplingParams
     cache_salt: str | None = Field(None, description="Requests with different salts never share cached KV.")
     received_ts: float = Field(description="Gateway's receive time, UNIX seconds.")
+    receipt: Receipt | None = None
 
 
 class Accepted(Message):
