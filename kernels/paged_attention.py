@@ -101,7 +101,8 @@ def store_kv(kv_layer: torch.Tensor, slot_mapping: torch.Tensor, k: torch.Tensor
     rows[slot_mapping, V_INDEX] = v
 
 
-def _store_native(kv_layer: torch.Tensor, slot_mapping: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> bool:
+def _store_native(kv_layer: torch.Tensor, slot_mapping: torch.Tensor, k: torch.Tensor,
+                  v: torch.Tensor) -> bool:
     """Whether csrc/store_kv.c can take the call as it is: fp32 on the CPU, the pool and the slots
     contiguous (slots int64), each token's heads of k and v contiguous, as many as a pool row holds."""
     heads = k.shape[1] * k.shape[2]

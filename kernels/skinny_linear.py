@@ -1,7 +1,8 @@
-"""`x @ weight.T (+ residual)` for 1-8 rows of x by the C kernel csrc/skinny_linear.c: a decode step's GEMMs,
-bound by reading the weights, streamed once from a packed copy of the weight (`pack`: panels of
-`panel_width()` output features, each [in_features][panel_width]). engine/linear.py takes it for the row
-counts where it measured fastest on this machine (`calibrate_paths`)."""
+"""`x @ weight.T (+ residual)` by the C kernel csrc/skinny_linear.c, from a packed copy of the weight (`pack`:
+panels of `panel_width()` output features, each [in_features][panel_width]) streamed once per call, the
+next panel prefetched while one is read: a decode step's GEMMs (a few rows, bound by reading the weights)
+and a short prefill's. engine/linear.py takes it for the row counts where it measured fastest on this
+machine (`calibrate_paths`)."""
 
 from __future__ import annotations
 
@@ -11,8 +12,6 @@ from collections.abc import Callable
 import torch
 
 from pdserve.kernels import native
-
-MAX_ROWS = 8
 
 
 @functools.cache
@@ -45,9 +44,9 @@ def takes_weight(weight: torch.Tensor) -> bool:
 
 
 def takes_rows(x: torch.Tensor) -> bool:
-    """Whether the kernel can take `x` [rows, k]: fp32 on the CPU, 1-8 rows, each row contiguous (rows
-    may be strided)."""
-    return x.dim() == 2 and 1 <= x.shape[0] <= MAX_ROWS and x.stride(1) == 1 and native.cpu_fp32(x)
+    """Whether the kernel can take `x` [rows, k]: fp32 on the CPU, one row or more, each row contiguous
+    (rows may be strided)."""
+    return x.dim() == 2 and x.shape[0] >= 1 and x.stride(1) == 1 and native.cpu_fp32(x)
 
 
 def pack(weight: torch.Tensor) -> torch.Tensor:

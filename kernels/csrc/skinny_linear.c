@@ -1,4 +1,4 @@
-/* y = x @ w.T (+ residual) for a few rows of x (fp32, CPU): the GEMMs of a decode step.
+/* y = x @ w.T (+ residual) for the rows of x (fp32, CPU): the GEMMs of a decode step and of a short prefill.
  *
  * A decode step of B sequences multiplies B rows by every weight of the model once: for B <= 8 the step is
  * bound by reading the weights (2 B FLOP per 4-byte weight), and blocked GEMM libraries tuned for many rows
@@ -25,9 +25,20 @@
  * its 31.9 / 31.5 / 30.7); an 8-sequence decode step of the engine 48 -> 31 ms. The AVX2 build, run on the
  * same host: 20.8 GB/s for 8 rows on two threads, the kernel it replaced 20.5.
  *
+ * While the groups of rows read one panel, the next panel of the thread's range is prefetched
+ * (`__builtin_prefetch`), its lines shared among the groups: a step reads the weights from memory (30
+ * layers of SmolLM2 are 425 MB), and a core's hardware prefetcher follows the panel being read, not the
+ * next one, so without it every panel's first pass waited on memory. Measured on an Intel Xeon host
+ * (AVX-512; a pass over SmolLM2's 30 layers' GEMMs, weights from memory, best of 4): two threads 24.8 /
+ * 26.5 / 88.8 ms for 8 / 16 / 128 rows where oneDNN took 29.8 / 34.8 / 105.2; one thread 47.2 / 49.0 / 159
+ * where the kernel without the prefetch took 55.6 / 60.8 / 172 (oneDNN 49.6 / 58.7 / 182). A lone group of
+ * fewer than GROUP / 2 rows prefetches nothing: for one row the loads alone bound the loop (38.5 ms with
+ * it, 34.6 without, on one thread). Past ~256 rows x outgrows L2 and is re-read from L3 for every panel:
+ * oneDNN's blocking wins there (engine/linear.py takes it).
+ *
  * Layouts (row-major fp32): x [rows, k], rows x_stride floats apart; w [n, k] contiguous; panels
  * [ceil(n / NR), k, NR]; residual NULL or [rows, n] contiguous; out [rows, n] contiguous. skinny_linear
- * returns 0, or -2 when rows is not in 1..8. OpenMP threads take contiguous ranges of panels.
+ * returns 0, or -2 when rows < 1. OpenMP threads take contiguous ranges of panels.
  */
 #include <stdint.h>
 #include <string.h>
@@ -48,7 +59,6 @@ typedef float vec __attribute__((vector_size(32)));
 #endif
 #define NV 2
 #define NR (NV * LANES) /* output features per panel */
-#define MAX_ROWS 8
 
 static inline vec loadv(const float *p) { vec v; memcpy(&v, p, sizeof v); return v; }
 
@@ -68,43 +78,76 @@ int skinny_pack(const float *w, int64_t n, int64_t k, float *panels, int num_thr
     return 0;
 }
 
-/* Panels [p0, p1) against `rows` rows of x (a constant where the caller is specialised, so the
- * accumulators stay in registers), GROUP rows of x at a time over each panel. */
-static inline __attribute__((always_inline)) void panels_range(
-    const int64_t rows, const float *x, int64_t x_stride, const float *panels, int64_t n, int64_t k,
-    const float *residual, float *out, int64_t p0, int64_t p1) {
-    for (int64_t p = p0; p < p1; p++) {
-        const float *w = panels + p * k * NR;
-        const int64_t j0 = p * NR, width = n - j0 < NR ? n - j0 : NR;
-        for (int64_t m0 = 0; m0 < rows; m0 += GROUP) {
-            const int64_t group = rows - m0 < GROUP ? rows - m0 : GROUP;
-            const float *xg = x + m0 * x_stride;
-            vec acc[GROUP][NV] = {{0}};
+/* Rows [m0, m0 + group) of x against panel w (output features j0 .. j0 + width), `group` a constant where
+ * the caller is specialised, so the accumulators stay in registers; meanwhile the lines from `pf` on are
+ * prefetched (none when NULL): two per k when `pf_every` is 0, else one every `pf_every` (a power of 2) k. */
+static inline __attribute__((always_inline)) void panel_rows(
+    const int64_t group, const float *xg, int64_t x_stride, const float *w, int64_t n, int64_t k,
+    const float *residual, float *out, int64_t m0, int64_t j0, int64_t width, const float *pf,
+    int64_t pf_every) {
+    vec acc[GROUP][NV] = {{0}};
 #pragma GCC unroll 4 /* measured: one row of x 21 -> 26 GB/s on one thread, four 24 -> 26 */
-            for (int64_t kk = 0; kk < k; kk++) {
-                vec wv[NV];
-                for (int v = 0; v < NV; v++) wv[v] = loadv(w + kk * NR + v * LANES);
-                for (int64_t m = 0; m < group; m++) {
-                    const float xm = xg[m * x_stride + kk];
-                    for (int v = 0; v < NV; v++) acc[m][v] += wv[v] * xm;
-                }
+    for (int64_t kk = 0; kk < k; kk++) {
+        if (pf != NULL && pf_every == 0) {
+            __builtin_prefetch(pf + kk * NR, 0, 3);
+            __builtin_prefetch(pf + kk * NR + 16, 0, 3);
+        } else if (pf != NULL && (kk & (pf_every - 1)) == 0) {
+            __builtin_prefetch(pf + (kk / pf_every) * 16, 0, 3);
+        }
+        vec wv[NV];
+        for (int v = 0; v < NV; v++) wv[v] = loadv(w + kk * NR + v * LANES);
+        for (int64_t m = 0; m < group; m++) {
+            const float xm = xg[m * x_stride + kk];
+            for (int v = 0; v < NV; v++) acc[m][v] += wv[v] * xm;
+        }
+    }
+    for (int64_t m = 0; m < group; m++) {
+        const int64_t row = (m0 + m) * n + j0;
+        float sums[NR];
+        memcpy(sums, acc[m], sizeof sums);
+        for (int64_t q = 0; q < width; q++)
+            out[row + q] = (residual != NULL ? residual[row + q] : 0.0f) + sums[q];
+    }
+}
+
+/* Panels [p0, p1) against all `rows` rows of x, GROUP rows at a time over each panel (the panel stays in
+ * L1 / L2 while every group reads it), the next panel of the range prefetched meanwhile: its lines shared
+ * by the groups, one every `every` k each; a lone group prefetches the whole panel, two lines per k, if it
+ * has GROUP / 2 rows or more (for one row the loads alone bound the loop: measured slower with it). */
+static void panels_range(const int64_t rows, const float *x, int64_t x_stride, const float *panels, int64_t n,
+                         int64_t k, const float *residual, float *out, int64_t p0, int64_t p1) {
+    const int64_t groups = (rows + GROUP - 1) / GROUP, lines = k * NR / 16;
+    int64_t every = 1;
+    while (every * 4 <= groups) every *= 2;
+    const int64_t share = groups > 1 ? (k + every - 1) / every : lines, pf_every = groups > 1 ? every : 0;
+    const int prefetch = groups > 1 || 2 * rows >= GROUP;
+    for (int64_t p = p0; p < p1; p++) {
+        const float *w = panels + p * k * NR, *next = prefetch && p + 1 < p1 ? w + k * NR : NULL;
+        const int64_t j0 = p * NR, width = n - j0 < NR ? n - j0 : NR;
+        for (int64_t g = 0, m0 = 0; m0 < rows; g++, m0 += GROUP) {
+            const float *xg = x + m0 * x_stride;
+            const float *pf = next != NULL && g * share < lines ? next + g * share * 16 : NULL;
+#define ROWS(G) panel_rows(G, xg, x_stride, w, n, k, residual, out, m0, j0, width, pf, pf_every)
+            switch (rows - m0 < GROUP ? rows - m0 : GROUP) { /* specialised: accumulators in registers */
+                case 1: ROWS(1); break;
+                case 2: ROWS(2); break;
+                case 3: ROWS(3); break;
+#if GROUP > 4
+                case 4: ROWS(4); break;
+                case 5: ROWS(5); break;
+                case 6: ROWS(6); break;
+                case 7: ROWS(7); break;
+#endif
+                default: ROWS(GROUP); break;
             }
-            for (int64_t m = 0; m < group; m++) {
-                const int64_t row = (m0 + m) * n + j0;
-                float sums[NR];
-                memcpy(sums, acc[m], sizeof sums);
-                for (int64_t q = 0; q < width; q++)
-                    out[row + q] = (residual != NULL ? residual[row + q] : 0.0f) + sums[q];
-            }
+#undef ROWS
         }
     }
 }
 
-#define RANGE(R) panels_range(R, x, x_stride, panels, n, k, residual, out, p0, p1)
-
 int skinny_linear(const float *x, int64_t x_stride, const float *panels, int64_t n, int64_t k,
                   const float *residual, float *out, int64_t rows, int num_threads) {
-    if (rows < 1 || rows > MAX_ROWS) return -2;
+    if (rows < 1) return -2;
     const int64_t count = (n + NR - 1) / NR;
 #pragma omp parallel num_threads(num_threads) if (num_threads > 1)
     {
@@ -113,17 +156,7 @@ int skinny_linear(const float *x, int64_t x_stride, const float *panels, int64_t
 #else
         const int64_t t = 0, nt = 1;
 #endif
-        const int64_t p0 = count * t / nt, p1 = count * (t + 1) / nt;
-        switch (rows) { /* specialised: the accumulators of every row count in registers */
-            case 1: RANGE(1); break;
-            case 2: RANGE(2); break;
-            case 3: RANGE(3); break;
-            case 4: RANGE(4); break;
-            case 5: RANGE(5); break;
-            case 6: RANGE(6); break;
-            case 7: RANGE(7); break;
-            default: RANGE(8); break;
-        }
+        panels_range(rows, x, x_stride, panels, n, k, residual, out, count * t / nt, count * (t + 1) / nt);
     }
     return 0;
 }

@@ -27,7 +27,7 @@ from pdserve.engine.hf_checkpoint import read_checkpoint
 from pdserve.engine.kimi_linear import KimiLinearModel
 from pdserve.engine.kimi_linear_config import KimiLinearConfig
 from pdserve.engine.kimi_tiny import ensure_kimi_tiny
-from pdserve.engine.linear import calibrate_paths
+from pdserve.engine.linear import calibrate_paths, linears_of, weights_from_memory
 from pdserve.engine.model import LlamaModel
 from pdserve.engine.model_config import LlamaConfig
 from pdserve.engine.model_family import EngineModel
@@ -67,14 +67,15 @@ def build_model(
     loaded: LoadedModel, device: torch.device | str = "cpu", dtype: torch.dtype = torch.float32
 ) -> EngineModel:
     """The engine model of `loaded`'s family (`LlamaModel` or `KimiLinearModel`) on `device` in `dtype`,
-    with the process's GEMM path per row count calibrated on its LM head (engine/linear.py) and, on the CPU,
+    with the process's GEMM path per row count calibrated on its layers' GEMMs (engine/linear.py) and, on
+    the CPU,
     the C attention and KV-write kernels a step will take built (kernels/native.py: ~1 s each, once per
     machine) before the first step, which would otherwise compile them: the prefill one only where the CPU
     has AVX-512 (`native.wide_vectors`; without it prefill attention takes SDPA,
     kernels/paged_attention.py)."""
     family = KimiLinearModel if isinstance(loaded.config, KimiLinearConfig) else LlamaModel
     model = family(loaded.config, loaded.weights, torch.device(device), dtype)
-    calibrate_paths(model.lm_head)
+    calibrate_paths(weights_from_memory(linears_of(model.layers) or [model.lm_head]))
     if model.device.type == "cpu":
         native_decode_kernel()
         native_store_kernel()
