@@ -5,15 +5,14 @@ and per-message task every command of pdserve pays), measured on an embedded nat
 A request's way to its first token through pdserve is a chain of messages through NATS, each a hop
 sender → server → receiver (two process wake-ups). `CRITICAL_PATH_MESSAGES[stack]` one-way messages long:
 
-1-2. gateway: `RequestReceived` into JetStream and its ack (stored before the Submit: recovery's start),
-3.   gateway → coordinator: `Submit`,
-4-5. coordinator: the request's lease claimed in the lease bucket (JetStream KV) and its ack, and at the
-     same time coordinator → router → coordinator: route (asked ahead of the claim,
-     `RequestLifecycle.route_ahead`: the two round trips overlap, one on the path),
-6-7. disaggregated only: coordinator → decode worker → coordinator: reserve (a colocated placement is
+1.   gateway → coordinator: `Submit`,
+2-3. coordinator: the request's lease claimed in the lease bucket (JetStream KV) and its ack, its
+     `RequestReceived` stored in JetStream and its ack, and coordinator → router → coordinator: route (asked
+     ahead of the claim, `RequestLifecycle.route_ahead`: the three round trips overlap, one on the path),
+4-5. disaggregated only: coordinator → decode worker → coordinator: reserve (a colocated placement is
      local: its prefill command reserves, lifecycle/placement.py),
-8.   coordinator → prefill (or unified) worker: prefill (its reply comes after the forward, off this path),
-9.   prefill worker → gateway: the first token (`TokenChunk`).
+6.   coordinator → prefill (or unified) worker: prefill (its reply comes after the forward, off this path),
+7.   prefill worker → gateway: the first token (`TokenChunk`).
 
 So `CRITICAL_PATH_MESSAGES[stack] × round trip / 2` is the least the control plane can add above the HTTP
 floor with these hops on this machine, before any service does any work (benchmarks/control_plane.py
@@ -38,7 +37,7 @@ from pdserve.config import CommonSettings
 from pdserve.embedded import free_port, start_nats
 from pdserve.messages import Ack
 
-CRITICAL_PATH_MESSAGES = {"colocated": 7, "disaggregated": 9}
+CRITICAL_PATH_MESSAGES = {"colocated": 5, "disaggregated": 7}
 RAW_SUBJECT, TYPED_SUBJECT = "busfloor.raw", "busfloor.typed"
 
 
