@@ -31,10 +31,15 @@
  * next one, so without it every panel's first pass waited on memory. Measured on an Intel Xeon host
  * (AVX-512; a pass over SmolLM2's 30 layers' GEMMs, weights from memory, best of 4): two threads 24.8 /
  * 26.5 / 88.8 ms for 8 / 16 / 128 rows where oneDNN took 29.8 / 34.8 / 105.2; one thread 47.2 / 49.0 / 159
- * where the kernel without the prefetch took 55.6 / 60.8 / 172 (oneDNN 49.6 / 58.7 / 182). A lone group of
- * fewer than GROUP / 2 rows prefetches nothing: for one row the loads alone bound the loop (38.5 ms with
- * it, 34.6 without, on one thread). Past ~256 rows x outgrows L2 and is re-read from L3 for every panel:
- * oneDNN's blocking wins there (engine/linear.py takes it).
+ * where the kernel without the prefetch took 55.6 / 60.8 / 172 (oneDNN 49.6 / 58.7 / 182). A lone group
+ * (up to 8 rows) streams one panel after the next, and there the next panel's lines prefetched into L1
+ * held the core's few line-fill buffers; prefetching 16 KiB ahead of its reads into L2 (prefetcht1)
+ * instead, the same host, the two builds in turn twice: 8 rows 24.6 / 24.5 -> 22.4 / 22.2 ms on two
+ * threads, 48.0 / 46.7 -> 41.9 / 42.1 on one; 4 rows 22.4 / 23.0 -> 20.7 / 20.4 on two (4 / 8 / 16 / 64
+ * KiB ahead measured alike, within ~1 ms). A lone group of fewer than GROUP / 2 rows prefetches nothing:
+ * for one row the loads alone bound the loop (38.5 ms with a prefetch, 34.6 without, on one thread).
+ * Past ~256 rows x outgrows L2 and is re-read from L3 for every panel: oneDNN's blocking wins there
+ * (engine/linear.py takes it).
  *
  * Layouts (row-major fp32): x [rows, k], rows x_stride floats apart; w [n, k] contiguous; panels
  * [ceil(n / NR), k, NR]; residual NULL or [rows, n] contiguous; out [rows, n] contiguous. skinny_linear
@@ -59,6 +64,7 @@ typedef float vec __attribute__((vector_size(32)));
 #endif
 #define NV 2
 #define NR (NV * LANES) /* output features per panel */
+#define STREAM_AHEAD 4096 /* floats (16 KiB): how far ahead of its reads a lone group prefetches */
 
 static inline vec loadv(const float *p) { vec v; memcpy(&v, p, sizeof v); return v; }
 
@@ -79,8 +85,9 @@ int skinny_pack(const float *w, int64_t n, int64_t k, float *panels, int num_thr
 }
 
 /* Rows [m0, m0 + group) of x against panel w (output features j0 .. j0 + width), `group` a constant where
- * the caller is specialised, so the accumulators stay in registers; meanwhile the lines from `pf` on are
- * prefetched (none when NULL): two per k when `pf_every` is 0, else one every `pf_every` (a power of 2) k. */
+ * the caller is specialised, so the accumulators stay in registers. Meanwhile (none when `pf` is NULL) the
+ * lines STREAM_AHEAD floats ahead of those read are prefetched into L2 when `pf_every` is 0, else one line
+ * of the next panel from `pf` on every `pf_every` (a power of 2) k. */
 static inline __attribute__((always_inline)) void panel_rows(
     const int64_t group, const float *xg, int64_t x_stride, const float *w, int64_t n, int64_t k,
     const float *residual, float *out, int64_t m0, int64_t j0, int64_t width, const float *pf,
@@ -89,8 +96,8 @@ static inline __attribute__((always_inline)) void panel_rows(
 #pragma GCC unroll 4 /* measured: one row of x 21 -> 26 GB/s on one thread, four 24 -> 26 */
     for (int64_t kk = 0; kk < k; kk++) {
         if (pf != NULL && pf_every == 0) {
-            __builtin_prefetch(pf + kk * NR, 0, 3);
-            __builtin_prefetch(pf + kk * NR + 16, 0, 3);
+            __builtin_prefetch(w + kk * NR + STREAM_AHEAD, 0, 2);
+            __builtin_prefetch(w + kk * NR + STREAM_AHEAD + 16, 0, 2);
         } else if (pf != NULL && (kk & (pf_every - 1)) == 0) {
             __builtin_prefetch(pf + (kk / pf_every) * 16, 0, 3);
         }
@@ -112,8 +119,9 @@ static inline __attribute__((always_inline)) void panel_rows(
 
 /* Panels [p0, p1) against all `rows` rows of x, GROUP rows at a time over each panel (the panel stays in
  * L1 / L2 while every group reads it), the next panel of the range prefetched meanwhile: its lines shared
- * by the groups, one every `every` k each; a lone group prefetches the whole panel, two lines per k, if it
- * has GROUP / 2 rows or more (for one row the loads alone bound the loop: measured slower with it). */
+ * by the groups, one every `every` k each; a lone group (a decode step) prefetches its own stream 16 KiB
+ * ahead into L2 instead, if it has GROUP / 2 rows or more (for one row the loads alone bound the loop:
+ * measured slower with a prefetch). */
 static void panels_range(const int64_t rows, const float *x, int64_t x_stride, const float *panels, int64_t n,
                          int64_t k, const float *residual, float *out, int64_t p0, int64_t p1) {
     const int64_t groups = (rows + GROUP - 1) / GROUP, lines = k * NR / 16;
