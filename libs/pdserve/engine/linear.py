@@ -15,11 +15,11 @@ outputs in its accumulators and prefetches the next panel of the weight while it
 AMD EPYC host (AVX-512, two threads, SmolLM2's weights) 28-32 GB/s for 1-8 rows where oneDNN read 22-25;
 on an Intel Xeon host (AVX-512) a pass over SmolLM2's 30 layers' GEMMs, weights from memory, took 25 /
 27 / 89 ms for 8 / 16 / 128 rows on two threads where oneDNN took 30 / 35 / 105 (the kernel's header has
-the figures). So `calibrate_paths` times the three on the model's LM head for each row count of
-`CALIBRATED_ROWS` when the model is built and keeps the fastest; a call takes the path of the largest
-calibrated count at or under its rows, and oneDNN from twice the last on. The plain weight is kept for MKL
-and the kernel's copy beside oneDNN's (the layer's weights three times in memory: +1.08 GB for SmolLM2
-fp32).
+the figures). So `calibrate_paths` times the three over the model's own first layers' GEMMs for each row
+count of `CALIBRATED_ROWS` when the model is built and keeps the fastest; a call takes the path of the
+largest calibrated count at or under its rows, and oneDNN from twice the last on. The plain weight is
+kept for MKL and the kernel's copy beside oneDNN's (the layer's weights three times in memory: +1.08 GB
+for SmolLM2 fp32).
 Where oneDNN is absent (or for a CUDA tensor) the layer is plain `F.linear`.
 """
 
