@@ -9,7 +9,8 @@ from pdserve.bench.bus_floor import CRITICAL_PATH_MESSAGES, measure_bus_floor
 def test_bus_floor_measures_both_round_trips_and_derives_the_critical_path(tmp_path) -> None:
     out = measure_bus_floor(tmp_path, n=30)
     assert out["round_trips"] == 30
-    assert CRITICAL_PATH_MESSAGES == {"colocated": 7, "disaggregated": 9}
+    # Submit, the route beside the claim and RequestReceived's store, [reserve,] prefill, the first token
+    assert CRITICAL_PATH_MESSAGES == {"colocated": 5, "disaggregated": 7}
     for stack, messages in CRITICAL_PATH_MESSAGES.items():
         assert out[f"critical_path_messages_{stack}"] == messages
         for kind in ("raw", "typed"):
