@@ -28,8 +28,9 @@ from pdserve.bus import Bus, RejectedError
 from pdserve.config import CommonSettings, GatewaySettings
 from pdserve.embedded import free_port
 from pdserve.engine.tokenizer import load_tokenizer
-from pdserve.events import Payload, RequestReceived
+from pdserve.events import Payload
 from pdserve.gateway.app import create_app
+from pdserve.lifecycle.receipt import store_received
 from pdserve.messages import Abort, Accepted, Ack, FinishReason, Submit, TokenChunk
 from pdserve.store.queries import make_db
 
@@ -60,8 +61,7 @@ class ScriptedCoordinator:
         self.submit_trace_ids.append(trace.get_current_span().get_span_context().trace_id)
         if self.reject is not None:
             raise self.reject
-        if req.receipt is not None:  # as the coordinator does before it accepts
-            await self.bus.emit_stored(req.request_id, RequestReceived.of(req), event_id=req.receipt.event_id)
+        await store_received(self.bus, req)  # as the coordinator does before it accepts
         if self.script is not None:
             task = asyncio.create_task(self.play(req.request_id, self.script(req)))
             self.playing.add(task)

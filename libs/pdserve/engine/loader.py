@@ -68,10 +68,9 @@ def build_model(
 ) -> EngineModel:
     """The engine model of `loaded`'s family (`LlamaModel` or `KimiLinearModel`) on `device` in `dtype`,
     with the process's GEMM path per row count calibrated on its layers' GEMMs (engine/linear.py) and, on
-    the CPU,
-    the C attention and KV-write kernels a step will take built (kernels/native.py: ~1 s each, once per
-    machine) before the first step, which would otherwise compile them: the prefill one only where the CPU
-    has AVX-512 (`native.wide_vectors`; without it prefill attention takes SDPA,
+    the CPU, the C attention and KV-write kernels a step will take built (kernels/native.py: ~1 s each,
+    once per machine) before the first step, which would otherwise compile them: the prefill one only
+    where the CPU has AVX-512 (`native.wide_vectors`; without it prefill attention takes SDPA,
     kernels/paged_attention.py)."""
     family = KimiLinearModel if isinstance(loaded.config, KimiLinearConfig) else LlamaModel
     model = family(loaded.config, loaded.weights, torch.device(device), dtype)

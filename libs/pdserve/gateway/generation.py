@@ -26,7 +26,7 @@ from opentelemetry import context as otel_context
 
 from pdserve.bus import Bus, BusTimeout, RejectedError
 from pdserve.engine.detokenizer import IncrementalDetokenizer
-from pdserve.events import Event, PrefillCompleted, RequestFailed, RequestReceived
+from pdserve.events import Event, PrefillCompleted, RequestFailed
 from pdserve.gateway.errors import APIError, from_rejection
 from pdserve.gateway.prompt import PreparedRequest, Tokenizer
 from pdserve.gateway.responses import Usage
@@ -34,6 +34,7 @@ from pdserve.gateway.stop_strings import StopStringMatcher
 from pdserve.gateway.token_stream import ChunkReassembler, event_chunk
 from pdserve.ids import new_id
 from pdserve.lifecycle.journal import request_events
+from pdserve.lifecycle.receipt import store_received
 from pdserve.messages import (
     Abort,
     Accepted,
@@ -292,9 +293,7 @@ class Generation:
         """No coordinator accepted `submit`: the gateway closes the request's lifecycle in the log, its
         `RequestReceived` (stored once under the receipt's id, whoever stored it first) then
         `RequestFailed` (phase submit)."""
-        assert submit.receipt is not None
-        received = RequestReceived.of(submit)
-        await self.bus.emit_stored(self.request_id, received, event_id=submit.receipt.event_id)
+        await store_received(self.bus, submit)
         await self.bus.emit(self.request_id, RequestFailed(phase="submit", reason=reason))
 
     async def _submit(self, submit: Submit) -> None:

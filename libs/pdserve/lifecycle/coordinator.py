@@ -20,9 +20,10 @@ from sqlalchemy.ext.asyncio import AsyncEngine
 
 from pdserve.bus import Bus, RejectedError
 from pdserve.config import CoordinatorSettings
-from pdserve.events import RequestFailed, RequestReceived, RequestRecovered, RequestTakenOver
+from pdserve.events import RequestFailed, RequestRecovered, RequestTakenOver
 from pdserve.lifecycle.liveness import WorkerLiveness
 from pdserve.lifecycle.ownership import Ownership, Taken
+from pdserve.lifecycle.receipt import store_received
 from pdserve.lifecycle.recovery import Unfinished, Unresumable, plan, read_log, read_requests
 from pdserve.lifecycle.request import RequestLifecycle, ResumePoint
 from pdserve.messages import Abort, Accepted, Ack, DecodeFinished, RejectCode, Submit, TokenChunk
@@ -100,7 +101,7 @@ class Coordinator:
             self.claiming.add(rid)
             lifecycle = self._lifecycle(req)
             lifecycle.route_ahead()  # the route's round trip overlaps the claim's and the store's
-            stored = self.bus.spawn(self._store_received(req))
+            stored = self.bus.spawn(store_received(self.bus, req))
             owner: str | None = ""
             try:
                 owner = await self.ownership.claim(rid)
@@ -116,12 +117,6 @@ class Coordinator:
             # else another coordinator owns it (a retried Submit), or a duplicate here is being started:
             # accepted without a second run; if that owner dies, its lease's takeover resumes it
         return Accepted(request_id=req.request_id)
-
-    async def _store_received(self, req: Submit) -> None:
-        """Store the request's `RequestReceived` from the gateway's receipt (nothing without one): under
-        the receipt's event id, so a Submit sent again stores it once."""
-        if req.receipt is not None:
-            await self.bus.emit_stored(req.request_id, RequestReceived.of(req), event_id=req.receipt.event_id)
 
     async def abort(self, req: Abort) -> Ack:
         """Cancel a request in any phase; its lifecycle emits RequestAborted and releases its KV."""
