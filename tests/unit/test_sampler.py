@@ -3,9 +3,10 @@ vLLM does, and draws follow the filtered distribution."""
 
 from __future__ import annotations
 
+import pytest
 import torch
 
-from pdserve.engine.sampler import Sampler, sampling_probs, token_logprobs
+from pdserve.engine.sampler import Sampler, draw, sampling_probs, token_logprobs
 from pdserve.messages import SamplingParams
 
 # probabilities 0.5, 0.3, 0.15, 0.05 (as logits), token order scrambled so index != rank
@@ -74,6 +75,20 @@ def test_draw_frequencies_follow_the_distribution() -> None:
         torch.tensor(draws(SamplingParams(temperature=1.0, seed=7), LOGITS, 20_000)), minlength=4
     )
     torch.testing.assert_close(counts / 20_000, PROBS, atol=0.015, rtol=0)
+
+
+def test_tokens_of_probability_zero_are_never_drawn() -> None:
+    probs = torch.tensor([0.0, 0.25, 0.0, 0.75, 0.0])
+    g = torch.Generator().manual_seed(5)
+    assert set(draw(probs, g) for _ in range(2000)) == {1, 3}
+
+
+def test_a_uniform_number_rounded_onto_the_total_draws_the_last_possible_token(
+        monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setattr(torch, "rand", lambda *_, **__: torch.tensor(1.0, dtype=torch.float64))
+    assert draw(torch.tensor([0.0, 0.25, 0.0, 0.75, 0.0]), torch.Generator()) == 3
+    monkeypatch.setattr(torch, "rand", lambda *_, **__: torch.tensor(0.0, dtype=torch.float64))
+    assert draw(torch.tensor([0.0, 0.25, 0.0, 0.75, 0.0]), torch.Generator()) == 1
 
 
 def test_logprobs_are_the_raw_log_softmax_and_greedy_picks_the_top_one() -> None:
