@@ -67,12 +67,18 @@ def wide_vectors() -> bool:
     return "avx512f" in _cpu_identity().split()
 
 
+# Libraries linked from several sources: the decode-step driver calls the kernels beside it.
+LINKED = {"llama_decode": ("llama_decode", "rms_norm", "rope", "store_kv", "paged_decode_attention",
+                           "skinny_linear", "silu_and_mul")}
+
+
 def _build(name: str, compiler: str) -> Path:
-    """Compile kernels/csrc/<name>.c into the cache (if not already there); returns the shared object.
-    Raises subprocess.CalledProcessError (with the compiler's output) when the build fails."""
-    source = SOURCE_DIR / f"{name}.c"
+    """Compile kernels/csrc/<name>.c (with the other sources `LINKED` names for it) into the cache (if not
+    already there); returns the shared object. Raises subprocess.CalledProcessError (with the compiler's
+    output) when the build fails."""
+    sources = [SOURCE_DIR / f"{source}.c" for source in LINKED.get(name, (name,))]
     version = subprocess.run([compiler, "--version"], capture_output=True, text=True, check=True).stdout
-    texts = [source.read_text(), *(h.read_text() for h in sorted(SOURCE_DIR.glob("*.h")))]  # the headers too
+    texts = [*(s.read_text() for s in sources), *(h.read_text() for h in sorted(SOURCE_DIR.glob("*.h")))]
     key = hashlib.sha256(
         "\0".join((*texts, *COMPILE_FLAGS, *LINK_FLAGS, version, _cpu_identity())).encode()
     ).hexdigest()[:16]
@@ -81,10 +87,12 @@ def _build(name: str, compiler: str) -> Path:
         return target
     target.parent.mkdir(parents=True, exist_ok=True)
     with tempfile.TemporaryDirectory(dir=target.parent) as tmp:
-        obj, lib = Path(tmp) / f"{name}.o", Path(tmp) / f"{name}.so"
-        for argv in ([compiler, *COMPILE_FLAGS, "-c", str(source), "-o", str(obj)],
-                     [compiler, str(obj), "-o", str(lib), *LINK_FLAGS]):
-            subprocess.run(argv, capture_output=True, text=True, check=True)
+        objs, lib = [Path(tmp) / f"{s.stem}.o" for s in sources], Path(tmp) / f"{name}.so"
+        for source, obj in zip(sources, objs, strict=True):
+            subprocess.run([compiler, *COMPILE_FLAGS, "-c", str(source), "-o", str(obj)],
+                           capture_output=True, text=True, check=True)
+        subprocess.run([compiler, *map(str, objs), "-o", str(lib), *LINK_FLAGS],
+                       capture_output=True, text=True, check=True)
         os.replace(lib, target)
     log.info("built the %s kernel: %s", name, target)
     return target

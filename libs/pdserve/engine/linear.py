@@ -76,6 +76,11 @@ class Linear:
         packable = self._packed is not None and skinny.takes_weight(self.weight)
         self._panels = skinny.pack(self.weight) if packable else None
 
+    @property
+    def panels(self) -> torch.Tensor | None:
+        """The C kernel's packed copy of the weight (`skinny_linear.pack`), None where it has none."""
+        return self._panels
+
     def _path(self, x: torch.Tensor) -> str:
         if self._packed is None:
             return MKL

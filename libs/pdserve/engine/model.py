@@ -15,11 +15,12 @@ import torch.nn.functional as F
 
 from pdserve.engine.device import CPU
 from pdserve.engine.forward_batch import ForwardBatch
-from pdserve.engine.linear import Linear, fused
+from pdserve.engine.linear import SKINNY, Linear, fused, path_of
 from pdserve.engine.model_config import LlamaConfig
 from pdserve.engine.model_family import CacheSpec, LayerHook, placed
 from pdserve.engine.state_pool import StatePool
 from pdserve.kernels.activation import silu_and_mul
+from pdserve.kernels.llama_decode import DecodeLayers, LayerWeights
 from pdserve.kernels.paged_attention import paged_attention, store_kv
 from pdserve.kernels.rms_norm import rms_norm
 from pdserve.kernels.rope import apply_rope, rope_cos_sin
@@ -67,6 +68,21 @@ class LlamaModel:
         # computed in fp32 on the CPU (as HF's rotary embedding), then moved: the same tables everywhere
         cos, sin = rope_cos_sin(config.max_position_embeddings, config.head_dim, config.rope_theta)
         self.cos, self.sin = cos.to(self.device, dtype), sin.to(self.device, dtype)
+        self.decode_layers = self._decode_layers()
+
+    def _decode_layers(self) -> DecodeLayers | None:
+        """The layers as one C call for pure decode steps (kernels/llama_decode.py), where every projection
+        has the C kernel's packed copy; None otherwise."""
+        linears = [(layer.qkv, layer.o, layer.gate_up, layer.down) for layer in self.layers]
+        panels = [tuple(linear.panels for linear in four) for four in linears]
+        if not panels or any(p is None for four in panels for p in four):
+            return None
+        cfg = self.config
+        return DecodeLayers.for_model(
+            [LayerWeights(layer.input_norm, layer.post_norm, *four)  # type: ignore[arg-type]
+             for layer, four in zip(self.layers, panels, strict=True)],
+            cfg.hidden_size, cfg.intermediate_size, cfg.num_heads, cfg.num_kv_heads, cfg.head_dim,
+            cfg.rms_norm_eps)
 
     def cache_spec(self) -> CacheSpec:
         """Every layer paged: one token's row of a layer is its K and V, [2, num_kv_heads, head_dim]."""
@@ -91,6 +107,11 @@ class LlamaModel:
         cos, sin = self.cos[batch.positions], self.sin[batch.positions]
         store_rows, store_slots = batch.store_slots()
         hidden = F.embedding(batch.input_ids, self.embed)  # [T, hidden]
+        if (self.decode_layers is not None and layer_hook is None and store_rows is None
+                and batch.attention.decode_seqs is None and path_of(num_tokens) == SKINNY):
+            # every sequence one new token, every GEMM on the C kernel: the layers below in one C call
+            self.decode_layers.run(hidden, cos, sin, store_slots, batch.attention, kv_cache)
+            return self._logits(hidden, batch)
         for index, layer in enumerate(self.layers):
             x = rms_norm(hidden, layer.input_norm, cfg.rms_norm_eps)
             qkv = layer.qkv(x).view(num_tokens, num_qk + cfg.num_kv_heads, cfg.head_dim)
@@ -105,6 +126,9 @@ class LlamaModel:
             hidden = layer.o.add(attn.reshape(num_tokens, cfg.num_heads * cfg.head_dim), hidden)
             x = rms_norm(hidden, layer.post_norm, cfg.rms_norm_eps)
             hidden = layer.down.add(silu_and_mul(layer.gate_up(x)), hidden)
+        return self._logits(hidden, batch)
+
+    def _logits(self, hidden: torch.Tensor, batch: ForwardBatch) -> torch.Tensor:
         # only each sequence's last new token is sampled from: the LM head runs on those rows alone
-        last = rms_norm(hidden[batch.logits_indices], self.final_norm, cfg.rms_norm_eps)
+        last = rms_norm(hidden[batch.logits_indices], self.final_norm, self.config.rms_norm_eps)
         return self.lm_head(last)
