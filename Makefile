@@ -2,10 +2,11 @@
 # only when pyproject.toml changes); nothing asks the user to activate it.
 #
 #   make up [MODE=disaggregated|colocated] [MODEL=smollm2|tiny|kimi-tiny|<HF model dir>] [PREFILL=1] [DECODE=1]
-#           [COORDINATORS=1] [ROUTERS=1] [PORT=8000] [KV_STORE=mooncake]   (KV_STORE: a Mooncake Store beside the stack)
+#           [COORDINATORS=1] [ROUTERS=0] [PORT=8000] [KV_STORE=mooncake]   (KV_STORE: a Mooncake Store beside
+#           the stack; ROUTERS=N: placement by N router services instead of in-process in each coordinator)
 #   make down | status | logs [SERVICE=gateway] | test [ARGS=...] | lint | trace ID=... | replay [ID=...] | bench
 #   make observability-tools   Debian's prometheus, for the dashboards test (root; .ci/run runs it)
-#   make k8s-secrets [MODE=...]  the Secrets' sources of deploy/k8s/overlays/$(MODE) (git-ignored; README)
+#   make k8s-secrets [MODE=...] [ROUTERS=1]  the Secrets' sources of deploy/k8s/overlays/$(MODE) (README)
 #   make host-tools            iproute2 + iptables, for the network-namespace test hosts (root; .ci/run runs it)
 #   make kv-store-tools        Debian's libibverbs1, which the Mooncake wheel links (root; .ci/run runs it)
 #
@@ -23,7 +24,7 @@ MODEL ?= smollm2
 PREFILL ?= 1
 DECODE ?= 1
 COORDINATORS ?= 1
-ROUTERS ?= 1
+ROUTERS ?= 0
 PORT ?= 8000
 KV_STORE ?= none
 SERVICE ?=
@@ -39,7 +40,7 @@ COMPOSE_UP_colocated := --profile colocated up -d --scale prefill-0=0 --scale de
 .PHONY: help venv observability-tools k8s-secrets host-tools kv-store-tools up down status logs test lint trace replay bench
 
 help:
-	@sed -n '1,13p' Makefile | sed 's/^# \{0,1\}//'
+	@sed -n '1,14p' Makefile | sed 's/^# \{0,1\}//'
 
 venv: $(STAMP)
 
@@ -69,7 +70,7 @@ observability-tools:
 # NATS users and passwords (pdserve.nats_auth) and Grafana's admin password for the Kubernetes overlay of
 # MODE, into its secrets/ folder (never committed); passwords already there are kept.
 k8s-secrets: venv
-	$(BIN)/pdserve nats-users --mode $(MODE) --kubernetes --out deploy/k8s/overlays/$(MODE)/secrets
+	$(BIN)/pdserve nats-users --mode $(MODE) --routers $(ROUTERS) --kubernetes --out deploy/k8s/overlays/$(MODE)/secrets
 # tests/hosts/ makes its test hosts as network namespaces (`ip`, `tc`: iproute2) and, where the kernel has no
 # netem qdisc, delays their links through an iptables NFQUEUE rule (tests/hosts/netns.py). Same pattern.
 host-tools:
@@ -100,10 +101,14 @@ kv-store-tools:
 # KV_STORE=mooncake: compose's kv-store profile (mooncake-master + mooncake-store), or the embedded store.
 COMPOSE_KV_none :=
 COMPOSE_KV_mooncake := --profile kv-store
+# ROUTERS=N > 0: compose's router profile, and the coordinators ask the routers (PDS_PLACEMENT=router).
+PLACEMENT := $(if $(filter 0,$(ROUTERS)),coordinator,router)
+COMPOSE_ROUTERS := $(if $(filter 0,$(ROUTERS)),,--profile router)
 up:
 	@if $(HAVE_DOCKER); then \
-		PDS_MODEL=$(MODEL) PDS_KV_STORE=$(KV_STORE) docker compose $(COMPOSE_KV_$(KV_STORE)) $(COMPOSE_UP_$(MODE)) \
-			--scale coordinator=$(COORDINATORS) --scale router=$(ROUTERS); \
+		PDS_MODEL=$(MODEL) PDS_KV_STORE=$(KV_STORE) PDS_PLACEMENT=$(PLACEMENT) docker compose $(COMPOSE_KV_$(KV_STORE)) \
+			$(COMPOSE_ROUTERS) $(COMPOSE_UP_$(MODE)) --scale coordinator=$(COORDINATORS) \
+			$(if $(filter 0,$(ROUTERS)),,--scale router=$(ROUTERS)); \
 	else \
 		$(MAKE) --no-print-directory venv && \
 		$(if $(filter mooncake,$(KV_STORE)),$(MAKE) --no-print-directory kv-store-tools &&) \
@@ -112,11 +117,11 @@ up:
 	fi
 
 down:
-	@if $(HAVE_DOCKER); then docker compose --profile colocated --profile kv-store down; fi
+	@if $(HAVE_DOCKER); then docker compose --profile colocated --profile kv-store --profile router down; fi
 	@if [ -x $(BIN)/pdserve ]; then $(BIN)/pdserve down; fi
 
 status:
-	@if $(HAVE_DOCKER); then docker compose --profile colocated ps; \
+	@if $(HAVE_DOCKER); then docker compose --profile colocated --profile router ps; \
 	else $(MAKE) --no-print-directory venv && $(BIN)/pdserve status; fi
 
 logs:

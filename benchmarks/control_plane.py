@@ -1,16 +1,19 @@
 """Control-plane overhead: a request's TTFT outside the forward and the KV transfer, above the HTTP floor.
 
     python benchmarks/control_plane.py [--rounds 3] [--num-prompts 100] [--concurrency 1 8]
-                                       [--input-len 128] [--output-len 8] [--out docs/benchmarks]
+        [--input-len 128] [--output-len 8] [--servers ...] [--out docs/benchmarks]
     python benchmarks/control_plane.py --from-json docs/benchmarks/control_plane.json   # re-render
 
-Three servers up side by side on the tiny model (`--model tiny`: 2 layers, hidden 64, so the forward is a
-few ms and what is left is the control plane), driven one at a time by `pdserve bench serve`'s client:
+Servers up side by side on the tiny model (`--model tiny`: 2 layers, hidden 64, so the forward is a few ms
+and what is left is the control plane), driven one at a time by `pdserve bench serve`'s client:
 
 - **floor**: a bare FastAPI app streaming one SSE chunk at once (libs/pdserve/bench/sse_floor.py), run
   under uvicorn as services/gateway runs the gateway, in a process of its own;
 - **colocated**: `pdserve up --mode colocated --model tiny` (2 unified workers);
-- **disaggregated**: `pdserve up --model tiny` (1 prefill + 1 decode worker, KV over ucxx).
+- **disaggregated**: `pdserve up --model tiny` (1 prefill + 1 decode worker, KV over ucxx);
+- **colocated-router** (and, asked for, **disaggregated-router**): the same stack with `--routers 1`, the
+  coordinator asking the router service for each placement instead of placing in-process: what the
+  in-process placement saves, measured in the same run.
 
 The stacks use this machine's NATS (4222) and Postgres (5432) when they answer, else embedded ones
 (`PDS_NATS_URL` / `PDS_DATABASE_URL` choose others). Per request: overhead = client TTFT − the prefill
@@ -52,7 +55,8 @@ from pdserve.bench.runner import LoadSpec, run_load
 from pdserve.bench.sidebyside import free_port, pdserve_stack, round_order
 
 console = Console(highlight=False, soft_wrap=True)
-SERVERS = ("floor", "colocated", "disaggregated")
+SERVERS = ("floor", "colocated", "disaggregated", "colocated-router", "disaggregated-router")
+DEFAULT_SERVERS = SERVERS
 TARGET_MS = {"disaggregated": 4.0, "colocated": 2.0}
 PHASE_LABELS = {"client_gateway": "client↔gateway", "queue": "queue", "route": "route", "reserve": "reserve",
                 "prefill_dispatch": "prefill dispatch", "start_decode": "start decode",
@@ -159,7 +163,9 @@ def write_reports(results: dict, out: Path) -> list[Path]:
         "exposed transfer (the coordinator's breakdown), per request. **floor** = client TTFT of a bare "
         "FastAPI SSE server (one chunk streamed at once, uvicorn as the gateway runs it) with the same "
         "client, concurrency and run. **above floor** = overhead percentile − floor percentile (all "
-        "rounds pooled; in brackets each round's p50 gap).",
+        "rounds pooled; in brackets each round's p50 gap). A stack named *-router is the same stack with "
+        "a router service (`--routers 1`) that the coordinator asks for each placement, where the others "
+        "place in the coordinator's process.",
         "- Phases (p50 / mean ms) add up to the overhead in the mean: client↔gateway = client TTFT − the "
         "server's TTFT (which ends when the first token leaves the decode worker): HTTP in and the "
         "gateway's work before its receive stamp, then the token's way back (worker → NATS → gateway → "
@@ -176,11 +182,12 @@ def write_reports(results: dict, out: Path) -> list[Path]:
         for name in stacks:
             s = by[name]
             rounds = ", ".join(f"{x:.1f}" for x in s["above_floor_p50_ms_rounds"])
-            met = "met" if s["above_floor_p50_ms"] <= TARGET_MS[name] else "NOT met"
+            target = TARGET_MS[name.partition("-")[0]]
+            met = "met" if s["above_floor_p50_ms"] <= target else "NOT met"
             lines.append(
                 f"| {conc} | {name} | {f1(s['overhead_p50_ms'])} / {f1(s['overhead_p99_ms'])} | "
                 f"{f1(s['floor_p50_ms'])} / {f1(s['floor_p99_ms'])} | **{f1(s['above_floor_p50_ms'])}** "
-                f"({rounds}) | {f1(s['above_floor_p99_ms'])} | ≤ {TARGET_MS[name]:.0f} ({met}) | "
+                f"({rounds}) | {f1(s['above_floor_p99_ms'])} | ≤ {target:.0f} ({met}) | "
                 f"{f1(s['forward_p50_ms'])} | {s['failed']} |")
     lines += ["", "Where the overhead goes (p50 / mean ms per phase):", "",
               "| concurrency | stack | " + " | ".join(PHASE_LABELS[p] for p in PHASES) + " | overhead mean |",
@@ -226,7 +233,7 @@ def write_reports(results: dict, out: Path) -> list[Path]:
         bars = ax.bar(xs, [summary[c][name]["above_floor_p50_ms"] for c in concs], width, label=f"{name} p50")
         ax.bar_label(bars, fmt="%.1f", fontsize=8)
         ax.scatter(xs, [summary[c][name]["above_floor_p99_ms"] for c in concs], marker="_", s=300, c="k")
-        for x, name_target in zip(xs, [TARGET_MS[name]] * len(xs), strict=True):
+        for x, name_target in zip(xs, [TARGET_MS[name.partition("-")[0]]] * len(xs), strict=True):
             ax.hlines(name_target, x - width / 2, x + width / 2, colors="r", linestyles="--")
     ax.set_xticks([i + width * (len(stacks) - 1) / 2 for i in range(len(concs))], [f"c={c}" for c in concs])
     ax.set_ylabel("overhead − floor (ms)")
@@ -262,7 +269,7 @@ def main() -> int:
     ap.add_argument("--concurrency", type=int, nargs="+", default=[1, 8])
     ap.add_argument("--input-len", type=int, default=128)
     ap.add_argument("--output-len", type=int, default=8)
-    ap.add_argument("--servers", nargs="+", choices=SERVERS, default=list(SERVERS))
+    ap.add_argument("--servers", nargs="+", choices=SERVERS, default=list(DEFAULT_SERVERS))
     ap.add_argument("--out", type=Path, default=Path("docs/benchmarks"))
     ap.add_argument("--var-dir", type=Path, default=Path("var/bench/control_plane"))
     ap.add_argument("--from-json", type=Path, help="re-render the reports from an earlier run's JSON")
@@ -292,7 +299,9 @@ def main() -> int:
             if name == "floor":
                 urls[name], dbs[name] = up.enter_context(floor_server(var_dir / "floor.log")), None
             else:
-                stack = up.enter_context(pdserve_stack(name, "tiny", var_dir))
+                mode, _, placement = name.partition("-")
+                routers = ("--routers", "1") if placement == "router" else ()
+                stack = up.enter_context(pdserve_stack(mode, "tiny", var_dir / name, up_args=routers))
                 urls[name], dbs[name] = stack.state.gateway_url, stack.state.database_url or None
                 if not dbs[name]:
                     raise RuntimeError(f"the {name} stack reports no database: the breakdown cannot be read")

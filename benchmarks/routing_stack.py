@@ -43,10 +43,11 @@ from tests.e2e.stack import Stack  # noqa: E402
 
 
 class RoutingStack(Stack):
-    """A Stack whose router runs `policy` and whose prefill workers hold `capacity_tokens` of KV."""
+    """A Stack whose router runs `policy` and whose prefill workers hold `capacity_tokens` of KV. Placement
+    is the router service's (`n_routers=1`), so a policy is swapped by restarting the router alone."""
 
     def __init__(self, *args, capacity_tokens: int, **kw) -> None:
-        super().__init__(*args, **kw)
+        super().__init__(*args, **{"n_routers": 1, **kw})
         self.capacity_tokens = capacity_tokens
         self.policy = "kv"
 

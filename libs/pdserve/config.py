@@ -52,6 +52,13 @@ class PolicyName(StrEnum):
     RANDOM = "random"
 
 
+class Placement(StrEnum):
+    """`PDS_PLACEMENT`: where a coordinator's requests are placed (routing/live.py)."""
+
+    COORDINATOR = "coordinator"  # in the coordinator's own process: no round trip on the request's path
+    ROUTER = "router"  # asked of the router service (`pds.router.route`), which must run
+
+
 class KVStoreKind(StrEnum):
     """`PDS_KV_STORE`: the shared KV store below a worker's own tiers (docs/architecture.md §16)."""
 
@@ -243,7 +250,12 @@ class RouterSettings(CommonSettings):
 
 
 class CoordinatorSettings(CommonSettings):
-    route_timeout_s: float = Field(2.0, description="Deadline of the route phase.")
+    placement: Placement = Field(
+        Placement.COORDINATOR, description="'coordinator': each coordinator places its requests in-process, "
+        "from the same inputs the router service hears (RouterSettings configure it: PDS_POLICY, ...), and "
+        "a request's way to its first token crosses no router (as Dynamo's frontend embeds its KV router). "
+        "'router': asked of the router service over pds.router.route (`pdserve up --routers N` sets it).")
+    route_timeout_s: float = Field(2.0, description="Deadline of one route request to the router service.")
     reserve_timeout_s: float = Field(
         10.0, description="Deadline of one reserve call. A reserve waits for the engine step in progress on "
         "its worker (up to max_num_batched_tokens of prefill: ~1 s for SmolLM2 here, more under load); at "

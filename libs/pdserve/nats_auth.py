@@ -44,6 +44,17 @@ RECORDER_DURABLE = "pdserve-recorder"  # pdserve.store.recorder.DURABLE: the one
 INBOX = "_INBOX.>"  # replies to this connection's requests (nats-py's default inbox prefix)
 
 
+def placer_publishes(s: Subjects) -> list[str]:
+    """What a placer (routing/live.py: the router service's, or a coordinator's own) publishes: its
+    bookings and incompatibility reports."""
+    return [s.incompatible(), s.booked]
+
+
+def placer_hears(s: Subjects) -> list[str]:
+    """What a placer hears: peers' bookings, heartbeats, KV events and digests, lifecycle events."""
+    return [s.booked, s.heartbeat(), s.kv_events(), s.kv_digest(), s.all_events]
+
+
 def js_connect(stream: str) -> list[str]:
     """The JetStream API every service uses, on the events stream only: `Bus.connect` looks the stream up
     and creates it when absent (publishing an event needs no API subject: the event's own, acked on the
@@ -120,11 +131,11 @@ def permissions(name: str, role: str, prefix: str, stream: str = "PDS_EVENTS") -
     elif kind == "coordinator":
         allow, pub_deny = js_journal(stream)
         pub += [s.route, *(s.worker("*", c) for c in COMMANDS), s.tokens("*"), *allow,  # type: ignore[arg-type]
-                *js_leases(stream)]
-        sub += [s.submit, s.abort, s.finished(), s.heartbeat(), s.tokens("*")]
+                *js_leases(stream), *placer_publishes(s)]
+        sub += [s.submit, s.abort, s.finished(), s.tokens("*"), *placer_hears(s)]
     elif kind == "router":
-        pub += [s.incompatible(), s.booked]
-        sub += [s.route, s.booked, s.heartbeat(), s.kv_events(), s.kv_digest(), s.all_events]
+        pub += placer_publishes(s)
+        sub += [s.route, *placer_hears(s)]
     elif kind == "recorder":
         pub += js_recorder(stream)
     publish: dict[str, list[str]] = {"allow": pub}

@@ -38,12 +38,14 @@ class ServiceSpec:
 
     `name` is unique in the stack: log file stem (var/log/<name>.log), compose service name and
     `PDS_WORKER_ID`. `module` is what `python -m` runs. `role` is `PDS_ROLE`: the worker role
-    ('prefill', 'decode', 'unified') or, for the other services, the service kind.
+    ('prefill', 'decode', 'unified') or, for the other services, the service kind. `placement`: a
+    coordinator's `PDS_PLACEMENT` ('router' where the stack runs the router service, else 'coordinator').
     """
 
     name: str
     module: str
     role: str
+    placement: str | None = None
 
     @property
     def is_worker(self) -> bool:
@@ -78,6 +80,8 @@ class ServiceSpec:
         }
         if self.role == "gateway":
             env["PDS_PORT"] = str(gateway_port)
+        if self.placement is not None:
+            env["PDS_PLACEMENT"] = self.placement
         if kv_store_url and self.is_worker:
             env |= {"PDS_KV_STORE": "mooncake", "PDS_KV_STORE_URL": kv_store_url}
         if torch_threads is not None and self.is_worker:
@@ -104,26 +108,27 @@ def _service(kind: str) -> ServiceSpec:
     return ServiceSpec(kind, f"pdserve.services.{kind}", kind)
 
 
-def _replicas(kind: str, n: int) -> list[ServiceSpec]:
+def _replicas(kind: str, n: int, placement: str | None = None) -> list[ServiceSpec]:
     """`n` processes of a control-plane service: `kind`, then `kind-1`, `kind-2`, … (the first keeps the
     service's own name, as compose's service does)."""
     names = [kind if i == 0 else f"{kind}-{i}" for i in range(n)]
-    return [ServiceSpec(name, f"pdserve.services.{kind}", kind) for name in names]
+    return [ServiceSpec(name, f"pdserve.services.{kind}", kind, placement) for name in names]
 
 
 def service_plan(mode: str, n_prefill: int = 1, n_decode: int = 1, n_coordinators: int = 1,
-                 n_routers: int = 1) -> list[ServiceSpec]:
+                 n_routers: int = 0) -> list[ServiceSpec]:
     """The processes of a stack, in start order: recorder, routers, coordinators, workers, gateway.
 
     disaggregated: `n_prefill` prefill workers (prefill-0…) and `n_decode` decode workers (decode-0…).
     colocated: `n_prefill + n_decode` unified workers (unified-0…; module pdserve.services.decode with
     role 'unified'), so both modes compare on the same number of worker processes (cores).
-    `n_routers` routers (router, router-1, …) and `n_coordinators` coordinators (coordinator,
-    coordinator-1, …) run at once: the control plane without a single point of failure
-    (docs/architecture.md §18).
+    `n_coordinators` coordinators (coordinator, coordinator-1, …) run at once: the control plane without
+    a single point of failure (docs/architecture.md §18). Each places its requests in-process
+    (`PDS_PLACEMENT=coordinator`), unless `n_routers` routers (router, router-1, …) run: then the
+    coordinators ask them (`PDS_PLACEMENT=router`).
     The gateway comes last so that its /health answering means every other process was started.
-    Raises ValueError on an unknown mode, a worker count below 1 (disaggregated needs one of each) or
-    fewer than one coordinator or router.
+    Raises ValueError on an unknown mode, a worker count below 1 (disaggregated needs one of each),
+    fewer than one coordinator or a negative number of routers.
     """
     if mode not in MODES:
         raise ValueError(f"mode {mode!r}: expected one of {', '.join(MODES)}")
@@ -133,10 +138,12 @@ def service_plan(mode: str, n_prefill: int = 1, n_decode: int = 1, n_coordinator
         )
     if mode == "colocated" and n_prefill + n_decode < 1:
         raise ValueError("colocated needs at least one unified worker")
-    if n_coordinators < 1 or n_routers < 1:
-        raise ValueError(f"a stack needs at least one coordinator and one router, got coordinators="
-                         f"{n_coordinators} routers={n_routers}")
-    plan = [_service("recorder"), *_replicas("router", n_routers), *_replicas("coordinator", n_coordinators)]
+    if n_coordinators < 1 or n_routers < 0:
+        raise ValueError(f"a stack needs at least one coordinator and zero or more routers, got "
+                         f"coordinators={n_coordinators} routers={n_routers}")
+    placement = "router" if n_routers else "coordinator"
+    plan = [_service("recorder"), *_replicas("router", n_routers),
+            *_replicas("coordinator", n_coordinators, placement)]
     if mode == "disaggregated":
         plan += [ServiceSpec(f"prefill-{i}", "pdserve.services.prefill", "prefill") for i in range(n_prefill)]
         plan += [ServiceSpec(f"decode-{i}", "pdserve.services.decode", "decode") for i in range(n_decode)]

@@ -289,7 +289,8 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--prefill", type=int, default=1, help="prefill workers (colocated: counted as unified)")
     p.add_argument("--decode", type=int, default=1, help="decode workers (colocated: counted as unified)")
     p.add_argument("--coordinators", type=int, default=1, help="coordinators running at once")
-    p.add_argument("--routers", type=int, default=1, help="routers running at once")
+    p.add_argument("--routers", type=int, default=0,
+                   help="router services running at once (0: coordinators place in-process)")
     p.add_argument("--port", type=int, default=8000, help="gateway HTTP port")
     p.add_argument("--var-dir", type=Path, default=Path("var"))
     p.add_argument("--kv-store", choices=KV_STORES, default="none",

@@ -26,7 +26,7 @@ from pdserve.service_plan import ServiceSpec, service_plan
 class Stack:
     def __init__(self, settings: CommonSettings, var_dir: Path, model: str = "tiny",
                  mode: str = "disaggregated", n_prefill: int = 1, n_decode: int = 1, n_coordinators: int = 1,
-                 n_routers: int = 1) -> None:
+                 n_routers: int = 0) -> None:
         self.settings = settings
         self.var_dir = var_dir
         self.model = model

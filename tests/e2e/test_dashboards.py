@@ -33,7 +33,7 @@ MOVED_BY_TRAFFIC = ("time_to_first_token", "ttft_phase_seconds_sum", "inter_toke
 def observed_stack(isolated_settings, tmp_path_factory) -> Iterator[tuple[EnvStack, Prometheus]]:
     tmp = tmp_path_factory.mktemp("dashboards")
     settings = isolated_settings("dash")
-    names = ("recorder", "router", "coordinator", "prefill-0", "decode-0")
+    names = ("recorder", "coordinator", "prefill-0", "decode-0")
     ports = {name: free_port() for name in names}
     stack = EnvStack(settings, tmp / "stack", {},
                      {name: {"PDS_METRICS_PORT": str(port)} for name, port in ports.items()}, model="tiny")
@@ -96,7 +96,7 @@ def test_every_dashboard_panel_has_data_on_a_real_prometheus(observed_stack):
     time.sleep(4.0)  # the recorder commits the last events; two more scrapes
     end = time.time()
     health = prom.targets_up()
-    assert len(health) == 6 and set(health.values()) == {"up"}, health
+    assert len(health) == 5 and set(health.values()) == {"up"}, health
 
     empty, unmoved = [], []
     for q in queries:

@@ -113,10 +113,10 @@ def test_one_trace_spans_every_service(tiny_stack):
     r = httpx.post(f"{tiny_stack.url}/v1/completions", timeout=60, json={
         "model": "SmolLM2-135M-Instruct", "prompt": "Trace me", "max_tokens": 3, "temperature": 0})
     request_id = r.headers["x-request-id"]
-    want_services = {"gateway", "coordinator", "router", "prefill", "decode"}
+    want_services = {"gateway", "coordinator", "prefill", "decode"}  # the coordinator places (router.route)
     # Each process exports its spans in its own batches, so one service's spans may land on disk before
     # another's: with layer-wise streaming decode.admit can be written before prefill.forward has ended.
-    want_names = {"transfer.send", "transfer.verify_checksum", "decode.admit", "prefill.forward"}
+    want_names = {"router.route", "transfer.send", "transfer.verify_checksum", "decode.admit", "prefill.forward"}
     deadline = time.monotonic() + 20
     services: set[str] = set()
     while time.monotonic() < deadline:

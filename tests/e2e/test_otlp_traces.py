@@ -91,8 +91,10 @@ def test_one_request_is_one_complete_trace_in_the_collector(traced_stack):
                      lambda s: one_placement_complete(s) and "decode.admit" in names(s))
     check_whole_tree(spans)
     services = {s.service for s in spans}
-    assert {"pdserve-gateway", "pdserve-coordinator", "pdserve-router", "pdserve-prefill-0"} <= services
+    assert {"pdserve-gateway", "pdserve-coordinator", "pdserve-prefill-0"} <= services
     assert services & {"pdserve-decode-0", "pdserve-decode-1"}
+    # placed in the coordinator's own process: no router on the request's way
+    assert {s.service for s in spans if s.name == "router.route"} == {"pdserve-coordinator"}
 
     gateway = next(s for s in spans if s.name == "gateway.request")
     a = gateway.attributes

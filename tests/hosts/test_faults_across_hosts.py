@@ -7,7 +7,7 @@
   on another host and complete with the same greedy output.
 
 The stack serves the tiny model (the mechanism under test is the network, not the model): recorder,
-router, coordinator and gateway on `control`, prefill-0 and decode-1 on `prefill`, decode-0 on `decode`.
+coordinator and gateway on `control`, prefill-0 and decode-1 on `prefill`, decode-0 on `decode`.
 """
 
 from __future__ import annotations

@@ -50,8 +50,8 @@ async def test_smollm2_request_completes_with_its_kv_over_ucx_tcp_between_hosts(
     smollm2_hosts_stack, hosts, smollm2
 ):
     stack = smollm2_hosts_stack
-    for name, host in [("gateway", "control"), ("coordinator", "control"), ("router", "control"),
-                       ("prefill-0", "prefill"), ("decode-0", "decode")]:
+    for name, host in [("gateway", "control"), ("coordinator", "control"), ("prefill-0", "prefill"),
+                       ("decode-0", "decode")]:
         assert netns_of(stack.procs[name].pid) == hosts[host].netns, name
 
     r = await asyncio.to_thread(httpx.post, f"{stack.url}/v1/chat/completions", timeout=120, json={

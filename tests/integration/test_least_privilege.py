@@ -27,9 +27,9 @@ def prefix(run_id: str) -> str:
 
 @pytest.fixture(scope="module")
 def secured_nats(tmp_path_factory, prefix: str) -> Iterator[tuple[str, dict[str, NatsUser]]]:
-    """An embedded nats-server requiring the users of a disaggregated stack under `prefix`."""
+    """An embedded nats-server requiring the users of a disaggregated stack with a router under `prefix`."""
     tmp = tmp_path_factory.mktemp("secured-nats")
-    users = stack_users([(s.name, s.role) for s in service_plan("disaggregated")], prefix)
+    users = stack_users([(s.name, s.role) for s in service_plan("disaggregated", n_routers=1)], prefix)
     write_server_config(tmp / "auth.conf", users)
     server = start_nats(tmp / "js", port=free_port(), config_path=tmp / "auth.conf")
     try:

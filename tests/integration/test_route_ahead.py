@@ -19,7 +19,7 @@ from pdserve.messages import Accepted, Receipt, RejectCode, RouteRequest, Sampli
 
 async def test_a_submit_another_coordinator_owns_is_routed_ahead_then_dropped_unrecorded(settings):
     s = CoordinatorSettings(**{**settings.model_dump(), "events_stream": f"{settings.events_stream}_ra",
-                               "worker_id": "coordinator-ra"})
+                               "worker_id": "coordinator-ra", "placement": "router"})
     coordinator_bus, other_bus, router_bus = [await Bus.connect(s, name) for name in ("c", "o", "r")]
     coordinator = Coordinator(coordinator_bus, s)
     other = Ownership(other_bus, s)
@@ -66,7 +66,7 @@ async def test_a_submit_another_coordinator_owns_is_routed_ahead_then_dropped_un
 async def test_a_gateway_submit_is_accepted_once_its_request_received_is_stored_first_and_once(settings):
     s = CoordinatorSettings(**{**settings.model_dump(), "events_stream": f"{settings.events_stream}_rr",
                                "subject_prefix": f"{settings.subject_prefix}rr",
-                               "worker_id": "coordinator-rr", "route_wait_s": 0.3})
+                               "worker_id": "coordinator-rr", "route_wait_s": 0.3, "placement": "router"})
     coordinator_bus, gateway_bus, router_bus = [await Bus.connect(s, name) for name in ("c", "g", "r")]
     coordinator = Coordinator(coordinator_bus, s)
 

@@ -38,12 +38,17 @@ WORKLOADS = ("Deployment", "StatefulSet")
 Doc = dict[str, Any]
 
 
-def render(tmp: Path, mode: str) -> list[Doc]:
-    """`make k8s-secrets MODE=mode` then `kubectl kustomize deploy/k8s/overlays/<mode>`, on a copy."""
+def render(tmp: Path, mode: str, routers: int = 0) -> list[Doc]:
+    """`make k8s-secrets MODE=mode ROUTERS=routers` then `kubectl kustomize deploy/k8s/overlays/<mode>`, on a
+    copy (with a router: the overlay given the router component, as its kustomization says)."""
     for folder in ("deploy", "observability"):
         shutil.copytree(ROOT / folder, tmp / folder, ignore=shutil.ignore_patterns("secrets"))
     overlay = tmp / "deploy" / "k8s" / "overlays" / mode
-    assert pdserve(["nats-users", "--mode", mode, "--kubernetes", "--out", str(overlay / "secrets")]) == 0
+    if routers:
+        with open(overlay / "kustomization.yaml", "a") as f:
+            f.write("\ncomponents:\n  - ../../components/router\n")
+    assert pdserve(["nats-users", "--mode", mode, "--routers", str(routers), "--kubernetes", "--out",
+                    str(overlay / "secrets")]) == 0
     out = subprocess.run([str(KUBECTL), "kustomize", str(overlay)], capture_output=True, text=True,
                          check=True)
     return [d for d in yaml.safe_load_all(out.stdout) if d]
@@ -111,8 +116,8 @@ def processes(docs: list[Doc]) -> dict[str, tuple[Doc, Doc, dict[str, str]]]:
     return out
 
 
-def plan_of(mode: str) -> list[ServiceSpec]:
-    return service_plan(mode, 1, 1)
+def plan_of(mode: str, routers: int = 0) -> list[ServiceSpec]:
+    return service_plan(mode, 1, 1, n_routers=routers)
 
 
 def test_every_object_is_valid_against_the_kubernetes_schema(rendered):
@@ -131,8 +136,26 @@ def test_every_object_is_valid_against_the_kubernetes_schema(rendered):
 
 def test_the_pdserve_processes_are_the_service_plan(rendered):
     mode, docs = rendered
+    assert_processes_are_the_plan(docs, plan_of(mode))
+    # one coordinator, placing in-process (several, with leases, are the `ha` work of issue 20)
+    for name in ("coordinator", "recorder"):
+        w = find(docs, "Deployment", name)
+        assert w["spec"]["replicas"] == 1 and w["spec"]["strategy"]["type"] == "Recreate", name
+    assert not any(d["metadata"]["name"] == "router" for d in docs)
+
+
+def test_the_router_component_runs_the_router_and_points_the_coordinator_at_it(tmp_path):
+    docs = render(tmp_path, "disaggregated", routers=1)
+    for d in docs:
+        kubernetes_validate.validate(d, K8S_VERSION, strict=True)
+    assert_processes_are_the_plan(docs, plan_of("disaggregated", routers=1))
+    assert processes(docs)["coordinator"][2]["PDS_PLACEMENT"] == "router"
+    w = find(docs, "Deployment", "router")
+    assert w["spec"]["replicas"] == 1 and w["spec"]["strategy"]["type"] == "Recreate"
+
+
+def assert_processes_are_the_plan(docs: list[Doc], plan: list[ServiceSpec]) -> None:
     running = processes(docs)
-    plan = plan_of(mode)
     assert sorted((n, c["command"][2], env["PDS_ROLE"]) for n, (_, c, env) in running.items()) == \
         sorted((s.name, s.module, s.role) for s in plan)
     for spec in plan:
@@ -140,7 +163,7 @@ def test_the_pdserve_processes_are_the_service_plan(rendered):
         expected = spec.environment(nats_url="nats://x", database_url="postgresql+asyncpg://x@y/pdserve",
                                     model="m", var_dir=Path("/v"), gateway_port=8000)
         assert set(expected) <= set(env), f"{spec.name} lacks {sorted(set(expected) - set(env))}"
-        for key in ("PDS_WORKER_ID", "PDS_ROLE", "PDS_PORT"):
+        for key in ("PDS_WORKER_ID", "PDS_ROLE", "PDS_PORT", "PDS_PLACEMENT"):
             if key in expected:
                 assert env[key] == expected[key], (spec.name, key)
         assert make_url(env["PDS_DATABASE_URL"]).username == spec.database_role, spec.name
@@ -149,10 +172,6 @@ def test_the_pdserve_processes_are_the_service_plan(rendered):
         assert env["PDS_METRICS_PORT"] == "9100"
         if spec.is_worker:
             assert env["UCX_TLS"] == "tcp,self"  # pods share no memory
-    # compose's one coordinator and one router (several, with leases, are the `ha` work of issue 20)
-    for name in ("coordinator", "router", "recorder"):
-        w = find(docs, "Deployment", name)
-        assert w["spec"]["replicas"] == 1 and w["spec"]["strategy"]["type"] == "Recreate", name
 
 
 def test_every_process_waits_for_migrations_and_says_when_it_is_ready(rendered):

@@ -6,9 +6,10 @@ A request's way to its first token through pdserve is a chain of messages throug
 sender → server → receiver (two process wake-ups). `CRITICAL_PATH_MESSAGES[stack]` one-way messages long:
 
 1.   gateway → coordinator: `Submit`,
-2-3. coordinator: the request's lease claimed in the lease bucket (JetStream KV) and its ack, its
-     `RequestReceived` stored in JetStream and its ack, and coordinator → router → coordinator: route (asked
-     ahead of the claim, `RequestLifecycle.route_ahead`: the three round trips overlap, one on the path),
+2-3. coordinator: the request's lease claimed in the lease bucket (JetStream KV) and its ack, and its
+     `RequestReceived` stored in JetStream and its ack (the two round trips overlap, one on the path), while
+     the coordinator places the request in-process (`RequestLifecycle.route_ahead`; with `PDS_PLACEMENT=
+     router`, coordinator → router → coordinator overlaps them too),
 4-5. disaggregated only: coordinator → decode worker → coordinator: reserve (a colocated placement is
      local: its prefill command reserves, lifecycle/placement.py),
 6.   coordinator → prefill (or unified) worker: prefill (its reply comes after the forward, off this path),

@@ -10,8 +10,10 @@ and the same split by phase, so the parts add up to `overhead`:
 - `client_gateway`: client TTFT − server TTFT (the HTTP request in, the gateway's handling up to its
   receive stamp, and the first token's way back: decode worker → NATS → gateway → SSE → client),
 - `queue`: gateway receive → the coordinator starts routing (gateway → coordinator hop, admission),
-- `route`: the router's round trip, `reserve`: the decode worker's KV reservation round trip (0 for a
-  local placement — colocated, or prefilled locally — whose prefill command reserves),
+- `route`: the placement (in the coordinator's process, overlapping the lease claim's round trip; with
+  `PDS_PLACEMENT=router`, the router's round trip),
+- `reserve`: the decode worker's KV reservation round trip (0 for a local placement — colocated, or
+  prefilled locally — whose prefill command reserves),
 - `prefill_dispatch`: the coordinator's prefill phase − the worker's forward (dispatch to the prefill
   worker, a local placement's reservation, its PrefillStarted emit, and its reply back),
 - `start_decode`: a request that moved no KV (colocated, or prefilled locally) has no transfer to expose,

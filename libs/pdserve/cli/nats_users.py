@@ -7,11 +7,11 @@ does not lock out running services; users not named are dropped.
     pdserve nats-users --out /var/lib/pdserve-auth recorder:recorder router:router ... gateway:gateway
     pdserve nats-users --mode disaggregated --kubernetes --out deploy/k8s/overlays/disaggregated/secrets
 
-`--mode` takes the processes from `pdserve.service_plan` (with `--prefill` / `--decode`). `--kubernetes`
-also writes what deploy/k8s's overlays generate their Secrets from, so that no pod holds another's
-password: `nats-passwords.env` (`<service>=<password>` for each non-worker process, each pod reads only
-its own key), `nats-workers.json` (the workers' passwords only: a StatefulSet's pods share one Secret)
-and `grafana.env` (Grafana's admin password, kept across runs like the users').
+`--mode` takes the processes from `pdserve.service_plan` (with `--prefill` / `--decode` / `--routers`).
+`--kubernetes` also writes what deploy/k8s's overlays generate their Secrets from, so that no pod holds
+another's password: `nats-passwords.env` (`<service>=<password>` for each non-worker process, each pod
+reads only its own key), `nats-workers.json` (the workers' passwords only: a StatefulSet's pods share one
+Secret) and `grafana.env` (Grafana's admin password, kept across runs like the users').
 """
 
 from __future__ import annotations
@@ -49,6 +49,8 @@ def add_parsers(subparsers: argparse._SubParsersAction) -> None:
     p.add_argument("--mode", choices=MODES, help="The processes of this mode's service plan instead.")
     p.add_argument("--prefill", type=int, default=1, help="With --mode: prefill workers (default 1).")
     p.add_argument("--decode", type=int, default=1, help="With --mode: decode workers (default 1).")
+    p.add_argument("--routers", type=int, default=0,
+                   help="With --mode: router services (default 0; deploy/k8s/components/router runs one).")
     p.add_argument("--out", type=Path, required=True, help="Folder for nats-users.json and nats-auth.conf.")
     p.add_argument("--prefix", default="pds", help="The stack's subject prefix (PDS_SUBJECT_PREFIX).")
     p.add_argument("--stream", default="PDS_EVENTS", help="The stack's events stream (PDS_EVENTS_STREAM).")
@@ -69,7 +71,8 @@ def _kept(path: Path, key: str) -> str | None:
 def run(args: argparse.Namespace) -> int:
     processes: list[tuple[str, str]] = list(args.processes)
     if args.mode:
-        processes += [(s.name, s.role) for s in service_plan(args.mode, args.prefill, args.decode)]
+        processes += [(s.name, s.role)
+                      for s in service_plan(args.mode, args.prefill, args.decode, n_routers=args.routers)]
     if not processes:
         print("pdserve nats-users: name NAME:ROLE processes or --mode")
         return 2

@@ -348,7 +348,10 @@ def add_parsers(sub: argparse._SubParsersAction) -> None:
     p.add_argument("--decode", type=int, default=1, help="decode workers (default 1)")
     p.add_argument("--coordinators", type=int, default=1,
                    help="coordinators at once (default 1; 2+: a request's owner dying is taken over)")
-    p.add_argument("--routers", type=int, default=1, help="routers at once (default 1; they share bookings)")
+    p.add_argument("--routers", type=int, default=0,
+                   help="router services at once (default 0: each coordinator places its requests "
+                   "in-process; 1+: placement is the routers' service, asked over NATS, and they share "
+                   "bookings)")
     p.add_argument("--port", type=int, default=8000, help="gateway HTTP port (default 8000)")
     p.add_argument("--timeout", type=float, default=300.0, help="seconds to wait for /health (default 300)")
     p.add_argument("--kv-store", choices=KV_STORES, default="none",

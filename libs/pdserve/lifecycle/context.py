@@ -21,6 +21,7 @@ from pdserve.bus import Bus, BusTimeout, RejectedError
 from pdserve.config import CoordinatorSettings
 from pdserve.lifecycle.liveness import WorkerLiveness
 from pdserve.messages import Ack, FinishReason, Release, Submit
+from pdserve.routing.live import LivePlacer
 from pdserve.states import Phase
 
 log = logging.getLogger(__name__)
@@ -56,13 +57,14 @@ class RequestContext:
     """One request as its lifecycle's steps see it. `holders`: workers that may hold something of the
     request (released at its end); `watched`: workers whose death abandons the current phase;
     `awaiting_admission`: accepted, never yet reserved decode KV (the coordinator counts these against
-    `max_waiting_requests`)."""
+    `max_waiting_requests`). `placer`: the coordinator's own placer (None: the router service places)."""
 
     def __init__(
         self, bus: Bus, settings: CoordinatorSettings, submit: Submit, liveness: WorkerLiveness,
-        owned: Callable[[], bool] = lambda: True,
+        owned: Callable[[], bool] = lambda: True, placer: LivePlacer | None = None,
     ) -> None:
         self.bus = bus
+        self.placer = placer
         self.owned = owned
         self.settings = settings
         self.submit = submit

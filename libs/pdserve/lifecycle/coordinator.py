@@ -19,7 +19,7 @@ import time
 from sqlalchemy.ext.asyncio import AsyncEngine
 
 from pdserve.bus import Bus, RejectedError
-from pdserve.config import CoordinatorSettings
+from pdserve.config import CoordinatorSettings, Placement, RouterSettings
 from pdserve.events import RequestFailed, RequestRecovered, RequestTakenOver
 from pdserve.lifecycle.liveness import WorkerLiveness
 from pdserve.lifecycle.ownership import Ownership, Taken
@@ -27,6 +27,7 @@ from pdserve.lifecycle.receipt import store_received
 from pdserve.lifecycle.recovery import Unfinished, Unresumable, plan, read_log, read_requests
 from pdserve.lifecycle.request import RequestLifecycle, ResumePoint
 from pdserve.messages import Abort, Accepted, Ack, DecodeFinished, RejectCode, Submit, TokenChunk
+from pdserve.routing.live import LivePlacer
 from pdserve.states import Phase, RecoveryAction
 from pdserve.telemetry import metrics
 
@@ -39,12 +40,18 @@ RECOVERY_BACKOFF_S = (0.5, 5.0)
 class Coordinator:
     """Lifecycle: `Coordinator(bus, settings, db)` → `await serve()` (lease, handlers, liveness, the
     takeover sweep and recovery in the background) → `await stop()`. `db` (the event store) may be None:
-    then nothing is recovered at start, and a takeover reads the request's events from JetStream alone."""
+    then nothing is recovered at start, and a takeover reads the request's events from JetStream alone.
+    With `settings.placement` 'coordinator' it places its requests in-process (`routing.live.LivePlacer`,
+    configured by `router_settings`, default `RouterSettings()` from the environment); with 'router' it
+    asks the router service."""
 
-    def __init__(self, bus: Bus, settings: CoordinatorSettings, db: AsyncEngine | None = None) -> None:
+    def __init__(self, bus: Bus, settings: CoordinatorSettings, db: AsyncEngine | None = None,
+                 router_settings: RouterSettings | None = None) -> None:
         self.bus = bus
         self.settings = settings
         self.db = db
+        self.placer = (LivePlacer(bus, router_settings or RouterSettings(), settings.worker_id)
+                       if settings.placement is Placement.COORDINATOR else None)
         self.liveness = WorkerLiveness(bus, settings.worker_timeout_s)
         self.ownership = Ownership(bus, settings, on_fenced=self._fenced)
         self.active: dict[str, tuple[RequestLifecycle, asyncio.Task]] = {}
@@ -55,7 +62,7 @@ class Coordinator:
 
     def _lifecycle(self, submit: Submit, resume: ResumePoint | None = None) -> RequestLifecycle:
         return RequestLifecycle(self.bus, self.settings, submit, self.liveness, resume,
-                                owned=self.ownership.valid)
+                                owned=self.ownership.valid, placer=self.placer)
 
     def _start(self, lifecycle: RequestLifecycle) -> None:
         rid = lifecycle.request_id
@@ -143,6 +150,8 @@ class Coordinator:
 
     async def serve(self) -> None:
         metrics.ADMISSION_QUEUE_LENGTH.set_function(lambda: self.num_waiting)  # read at each scrape
+        if self.placer is not None:
+            await self.placer.start()
         await self.ownership.start()
         await self.liveness.start()
         s = self.bus.subjects
@@ -268,3 +277,5 @@ class Coordinator:
         await asyncio.gather(*(t for _, t in self.active.values()), return_exceptions=True)
         await self.ownership.give_up()
         await self.liveness.stop()
+        if self.placer is not None:
+            await self.placer.stop()

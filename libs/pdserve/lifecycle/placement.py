@@ -49,10 +49,10 @@ T = TypeVar("T")
 
 
 async def ask_route(ctx: RequestContext, prompt: tuple[int, ...]) -> tuple[RouteDecision, float]:
-    """Ask the router for a placement of `prompt`; retried for `route_wait_s` while the router is
-    unreachable, has no live pair, or names a worker this coordinator already saw die. Returns the
-    decision and the seconds it took; records nothing (`route` does). Raises `PhaseFailed` (phase route)
-    after `route_wait_s`."""
+    """A placement of `prompt`: from the coordinator's own placer (`ctx.placer`), else asked of the router
+    service; retried for `route_wait_s` while the router is unreachable, no live pair exists, or the
+    placement names a worker this coordinator already saw die. Returns the decision and the seconds it
+    took; records nothing (`route` does). Raises `PhaseFailed` (phase route) after `route_wait_s`."""
     settings = ctx.settings
     t0 = time.perf_counter()
     deadline = time.monotonic() + settings.route_wait_s
@@ -65,9 +65,8 @@ async def ask_route(ctx: RequestContext, prompt: tuple[int, ...]) -> tuple[Route
     with tracer.start_as_current_span("coordinator.route"):
         while True:
             try:
-                decision = await ctx.bus.request(
-                    ctx.bus.subjects.route, req, RouteDecision, settings.route_timeout_s
-                )
+                decision = await (ctx.placer.place(req) if ctx.placer is not None else ctx.bus.request(
+                    ctx.bus.subjects.route, req, RouteDecision, settings.route_timeout_s))
                 dead = {
                     w
                     for w in (decision.prefill_worker_id, decision.decode_worker_id)

@@ -41,6 +41,7 @@ from pdserve.lifecycle.journal import read_committed
 from pdserve.lifecycle.liveness import WorkerLiveness
 from pdserve.lifecycle.placement import ask_route, place, route
 from pdserve.messages import DecodeAdmitted, DecodeFinished, FinishReason, RouteDecision, Submit, TokenChunk
+from pdserve.routing.live import LivePlacer
 from pdserve.states import Phase, RequestState
 
 log = logging.getLogger(__name__)
@@ -84,10 +85,11 @@ class RequestLifecycle:
         liveness: WorkerLiveness,
         resume: ResumePoint | None = None,
         owned: Callable[[], bool] = lambda: True,
+        placer: LivePlacer | None = None,
     ) -> None:
         """`owned`: whether this coordinator still holds the request's lease (checked before every command
-        to a worker; lifecycle/ownership.py)."""
-        self.ctx = ctx = RequestContext(bus, settings, submit, liveness, owned)
+        to a worker; lifecycle/ownership.py). `placer`: the coordinator's own (None: the router places)."""
+        self.ctx = ctx = RequestContext(bus, settings, submit, liveness, owned, placer)
         self.bus, self.settings, self.submit, self.liveness = bus, settings, submit, liveness
         self.request_id = submit.request_id
         self.resume = resume
@@ -118,10 +120,10 @@ class RequestLifecycle:
         return self.ctx.awaiting_admission
 
     def route_ahead(self) -> None:
-        """Put the first route's question to the router now, before `run()`: the coordinator calls it
-        while its claim of the request's lease is in flight, so the two round trips overlap instead of
-        following each other. Nothing is recorded or commanded until the run, which emits `RequestRouted`
-        with this answer; a request whose claim fails is `drop`ped. The router booked load for the answer
+        """Place the request now, before `run()`: the coordinator calls it while its claim of the request's
+        lease is in flight, so the placement (in-process, or the router's round trip) overlaps the claim's
+        instead of following it. Nothing is recorded or commanded until the run, which emits `RequestRouted`
+        with this answer; a request whose claim fails is `drop`ped. The placer booked load for the answer
         (routing/active_load.py): the owner's route replaces that booking, or, for a retried Submit the
         owner routed already, it stands in for the owner's until the request's end or its age releases it
         (one booking per request either way)."""
