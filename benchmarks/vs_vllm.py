@@ -30,7 +30,9 @@ definitions, libs/pdserve/bench/metrics.py), each round's value and their median
 round (each round's servers ran minutes apart on the same machine) with the median of those ratios.
 Before any server starts it measures the machine's roofline on every core (libs/pdserve/bench/roofline.py)
 and reports per cell the most output tok/s any server could reach (`serving_ceiling_s`), each server's
-share of it and the share the target asks for.
+share of it and the share the target asks for; then runs each cell's round-1 requests through the engine
+alone in its own process (libs/pdserve/bench/engine_alone.py), the most a server of this engine could
+deliver on these cores.
 Writes vs_vllm.json, .md and .png under `--out`; the JSON is rewritten after every cell.
 """
 
@@ -39,6 +41,7 @@ from __future__ import annotations
 import argparse
 import asyncio
 import contextlib
+import gc
 import json
 import os
 import statistics
@@ -49,6 +52,7 @@ from dataclasses import asdict
 from pathlib import Path
 
 import httpx
+import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parent / "peers"))
 
@@ -57,11 +61,12 @@ from rich.console import Console  # noqa: E402
 
 from pdserve.bench.breakdown import mean_stages_ms  # noqa: E402
 from pdserve.bench.compare import code_commit, cpu_model, warm_up  # noqa: E402
+from pdserve.bench.engine_alone import engine_alone_tok_s  # noqa: E402
 from pdserve.bench.roofline import DenseModelCost, Roofline, measure_roofline, serving_ceiling_s  # noqa: E402
-from pdserve.bench.serve import ServeConfig, run_serve  # noqa: E402
+from pdserve.bench.serve import ServeConfig, build_samples, run_serve  # noqa: E402
 from pdserve.bench.sidebyside import cell_figures, pdserve_stack, ratio, round_order  # noqa: E402
 from pdserve.config import ModelSettings  # noqa: E402
-from pdserve.engine.loader import load_model  # noqa: E402
+from pdserve.engine.loader import build_model, load_model  # noqa: E402
 
 console = Console(highlight=False, soft_wrap=True)
 SERVERS = ("vllm", "colocated", "disaggregated")
@@ -167,6 +172,33 @@ def ceiling_lines(results: dict, summary: dict) -> list[str]:
     return lines
 
 
+def engine_alone_lines(results: dict, summary: dict) -> list[str]:
+    """Per cell: the engine alone on the cell's workload (`bench.engine_alone`, measured at the start of the
+    run), colocated's share of it, and the target as a multiple of it."""
+    alone = results["meta"].get("engine_alone_tok_s")
+    if not alone:
+        return []
+    lines = ["", "The engine alone: the same requests (round 1's prompts) through one `LLMEngine` in the "
+             "benchmark's own process on every core (libs/pdserve/bench/engine_alone.py: no HTTP, bus "
+             "or other process), at the cell's concurrency, before any server started. No server of "
+             "this engine on these cores can pass it; where the target is above it, meeting it takes a "
+             "faster engine:", "",
+             "| cell | engine alone tok/s (× vLLM) | colocated / engine alone | target / engine alone |",
+             "|---|---|---|---|"]
+    for cell, row in summary.items():
+        if cell not in alone:
+            continue
+        conc = int(cell.split(":")[2])
+        vllm = row.get("vllm", {}).get("output_throughput")
+        colo = row.get("colocated", {}).get("output_throughput")
+        bound = TARGETS["output_throughput"].get(conc)
+        vs = f" ({alone[cell] / vllm:.2f}×)" if vllm else ""
+        share = f"{colo / alone[cell]:.0%}" if colo else "–"
+        target = f"{bound:.1f}× vLLM = {bound * vllm / alone[cell]:.0%}" if bound and vllm else "–"
+        lines.append(f"| {cell} | {alone[cell]:.1f}{vs} | {share} | {target} |")
+    return lines
+
+
 def write_reports(results: dict, out: Path) -> list[Path]:
     out.mkdir(parents=True, exist_ok=True)
     summary = summarise(results)
@@ -214,7 +246,7 @@ def write_reports(results: dict, out: Path) -> list[Path]:
             lines.append(f"| {cell} | {name} | " + " | ".join(cells) + f" | {s['failed']} |")
     lines += ["", "Targets (issue 14) for pdserve colocated against vLLM, measured in this run:", "",
               "| cell | figure | target | measured | |", "|---|---|---|---|---|", *target_lines(summary),
-              *ceiling_lines(results, summary)]
+              *ceiling_lines(results, summary), *engine_alone_lines(results, summary)]
     failures = [f"- {cell} round {i + 1} {n}: {r[n]['failed']} failed ({'; '.join(r[n]['errors'])})"
                 for cell, rounds in results["cells"].items() for i, r in enumerate(rounds)
                 for n in servers if n in r and r[n]["failed"]]
@@ -267,6 +299,23 @@ def write_reports(results: dict, out: Path) -> list[Path]:
     fig.savefig(paths[2], dpi=110)
     plt.close(fig)
     return paths
+
+
+def measure_engine_alone(loaded, cells: list[tuple[int, int, int]], num_prompts: int) -> dict[str, float]:
+    """Output tok/s of each cell's round-1 requests through the engine alone, on every core (as colocated's
+    one worker steps on them); the model is dropped before any server starts."""
+    torch.set_num_threads(os.cpu_count() or 1)
+    model = build_model(loaded)
+    out = {}
+    for ci, cell in enumerate(cells):
+        n_in, n_out, conc = cell
+        requests = build_samples(ServeConfig(num_prompts=num_prompts, input_len=n_in, output_len=n_out,
+                                             seed=ci))
+        out[cell_name(cell)] = tok_s = engine_alone_tok_s(model, requests, conc)
+        console.print(f"engine alone {cell_name(cell)}: {tok_s:.1f} tok/s")
+    del model
+    gc.collect()
+    return out
 
 
 def measure(url: str, cell: tuple[int, int, int], num_prompts: int, seed: int, database_url: str | None):
@@ -331,10 +380,13 @@ def main() -> int:
         "servers": list(args.servers), "cells": {cell_name(c): [] for c in args.cells}, "breakdown_ms": {},
     }
     roof = measure_roofline(os.cpu_count())  # before any server is up: the cores both sides serve on
-    cost = DenseModelCost.of(load_model("smollm2", ModelSettings().weights_cache_dir))
+    loaded = load_model("smollm2", ModelSettings().weights_cache_dir)
+    cost = DenseModelCost.of(loaded)
     results["meta"]["roofline"], results["meta"]["model_cost"] = roof.as_dict(), asdict(cost)
     console.print(f"roofline on {roof.threads} threads: {roof.gemm_flops / 1e9:.0f} GFLOP/s, "
                   f"{roof.bandwidth_bytes_s / 1e9:.1f} GB/s")
+    results["meta"]["engine_alone_tok_s"] = measure_engine_alone(loaded, args.cells, args.num_prompts)
+    del loaded
     started = time.monotonic()
     results["greedy"] = {}
     for r in range(args.rounds):

@@ -116,7 +116,8 @@ def test_one_trace_spans_every_service(tiny_stack):
     want_services = {"gateway", "coordinator", "prefill", "decode"}  # the coordinator places (router.route)
     # Each process exports its spans in its own batches, so one service's spans may land on disk before
     # another's: with layer-wise streaming decode.admit can be written before prefill.forward has ended.
-    want_names = {"router.route", "transfer.send", "transfer.verify_checksum", "decode.admit", "prefill.forward"}
+    want_names = {"router.route", "transfer.send", "transfer.verify_checksum", "decode.admit",
+                  "prefill.forward"}
     deadline = time.monotonic() + 20
     services: set[str] = set()
     while time.monotonic() < deadline:
