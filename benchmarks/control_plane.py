@@ -11,9 +11,9 @@ and what is left is the control plane), driven one at a time by `pdserve bench s
   under uvicorn as services/gateway runs the gateway, in a process of its own;
 - **colocated**: `pdserve up --mode colocated --model tiny` (2 unified workers);
 - **disaggregated**: `pdserve up --model tiny` (1 prefill + 1 decode worker, KV over ucxx);
-- **colocated-router** (and, asked for, **disaggregated-router**): the same stack with `--routers 1`, the
-  coordinator asking the router service for each placement instead of placing in-process: what the
-  in-process placement saves, measured in the same run.
+- **colocated-router**, **disaggregated-router**: the same stacks with `--routers 1`, the coordinator
+  asking the router service for each placement instead of placing in-process: what the in-process
+  placement saves, measured in the same run.
 
 The stacks use this machine's NATS (4222) and Postgres (5432) when they answer, else embedded ones
 (`PDS_NATS_URL` / `PDS_DATABASE_URL` choose others). Per request: overhead = client TTFT − the prefill
@@ -56,8 +56,7 @@ from pdserve.bench.sidebyside import free_port, pdserve_stack, round_order
 
 console = Console(highlight=False, soft_wrap=True)
 SERVERS = ("floor", "colocated", "disaggregated", "colocated-router", "disaggregated-router")
-DEFAULT_SERVERS = SERVERS
-TARGET_MS = {"disaggregated": 4.0, "colocated": 2.0}
+TARGET_MS = {"disaggregated": 4.0, "colocated": 2.0}  # by mode: a *-router stack has its mode's target
 PHASE_LABELS = {"client_gateway": "client↔gateway", "queue": "queue", "route": "route", "reserve": "reserve",
                 "prefill_dispatch": "prefill dispatch", "start_decode": "start decode",
                 "first_token": "first token"}
@@ -143,6 +142,11 @@ def _rounded(x):
     return x
 
 
+def target_ms(stack: str) -> float:
+    """Issue 14's target for `stack` (its mode's: `colocated-router` has colocated's), ms above the floor."""
+    return TARGET_MS[stack.partition("-")[0]]
+
+
 def write_reports(results: dict, out: Path) -> list[Path]:
     out.mkdir(parents=True, exist_ok=True)
     summary = summarise_all(results)
@@ -182,7 +186,7 @@ def write_reports(results: dict, out: Path) -> list[Path]:
         for name in stacks:
             s = by[name]
             rounds = ", ".join(f"{x:.1f}" for x in s["above_floor_p50_ms_rounds"])
-            target = TARGET_MS[name.partition("-")[0]]
+            target = target_ms(name)
             met = "met" if s["above_floor_p50_ms"] <= target else "NOT met"
             lines.append(
                 f"| {conc} | {name} | {f1(s['overhead_p50_ms'])} / {f1(s['overhead_p99_ms'])} | "
@@ -233,7 +237,7 @@ def write_reports(results: dict, out: Path) -> list[Path]:
         bars = ax.bar(xs, [summary[c][name]["above_floor_p50_ms"] for c in concs], width, label=f"{name} p50")
         ax.bar_label(bars, fmt="%.1f", fontsize=8)
         ax.scatter(xs, [summary[c][name]["above_floor_p99_ms"] for c in concs], marker="_", s=300, c="k")
-        for x, name_target in zip(xs, [TARGET_MS[name.partition("-")[0]]] * len(xs), strict=True):
+        for x, name_target in zip(xs, [target_ms(name)] * len(xs), strict=True):
             ax.hlines(name_target, x - width / 2, x + width / 2, colors="r", linestyles="--")
     ax.set_xticks([i + width * (len(stacks) - 1) / 2 for i in range(len(concs))], [f"c={c}" for c in concs])
     ax.set_ylabel("overhead − floor (ms)")
@@ -269,7 +273,7 @@ def main() -> int:
     ap.add_argument("--concurrency", type=int, nargs="+", default=[1, 8])
     ap.add_argument("--input-len", type=int, default=128)
     ap.add_argument("--output-len", type=int, default=8)
-    ap.add_argument("--servers", nargs="+", choices=SERVERS, default=list(DEFAULT_SERVERS))
+    ap.add_argument("--servers", nargs="+", choices=SERVERS, default=list(SERVERS))
     ap.add_argument("--out", type=Path, default=Path("docs/benchmarks"))
     ap.add_argument("--var-dir", type=Path, default=Path("var/bench/control_plane"))
     ap.add_argument("--from-json", type=Path, help="re-render the reports from an earlier run's JSON")

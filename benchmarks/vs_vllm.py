@@ -66,7 +66,7 @@ from pdserve.bench.roofline import DenseModelCost, Roofline, measure_roofline, s
 from pdserve.bench.serve import ServeConfig, build_samples, run_serve  # noqa: E402
 from pdserve.bench.sidebyside import cell_figures, pdserve_stack, ratio, round_order  # noqa: E402
 from pdserve.config import ModelSettings  # noqa: E402
-from pdserve.engine.loader import build_model, load_model  # noqa: E402
+from pdserve.engine.loader import LoadedModel, build_model, load_model  # noqa: E402
 
 console = Console(highlight=False, soft_wrap=True)
 SERVERS = ("vllm", "colocated", "disaggregated")
@@ -301,7 +301,8 @@ def write_reports(results: dict, out: Path) -> list[Path]:
     return paths
 
 
-def measure_engine_alone(loaded, cells: list[tuple[int, int, int]], num_prompts: int) -> dict[str, float]:
+def measure_engine_alone(loaded: LoadedModel, cells: list[tuple[int, int, int]],
+                         num_prompts: int) -> dict[str, float]:
     """Output tok/s of each cell's round-1 requests through the engine alone, on every core (as colocated's
     one worker steps on them); the model is dropped before any server starts."""
     torch.set_num_threads(os.cpu_count() or 1)

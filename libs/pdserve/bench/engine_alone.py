@@ -42,11 +42,12 @@ def run_closed_loop(engine: LLMEngine, requests: Seq[SampleRequest], concurrency
 
 
 def engine_alone_tok_s(model: EngineModel, requests: Seq[SampleRequest], concurrency: int,
-                       max_num_batched_tokens: int = 512, num_blocks: int = 4096) -> float:
+                       max_num_batched_tokens: int = 512, num_blocks: int = 1024) -> float:
     """Output tokens/s of `requests` through a fresh engine on `model` (this thread's torch threads), at
     most `concurrency` in flight: the engine's `max_num_batched_tokens` (chunked-prefill budget) as a
-    worker's default (config.WorkerSettings), after an untimed warm-up of the first `concurrency`
-    requests. Raises ValueError for no requests."""
+    worker's default (config.WorkerSettings), `num_blocks` KV blocks (SmolLM2 fp32: 720 KiB each; 1024
+    hold 8 requests of 2,048 tokens), after an untimed warm-up of the first `concurrency` requests.
+    Raises ValueError for no requests."""
     if not requests:
         raise ValueError("no requests")
     engine = LLMEngine(model, EngineConfig(num_blocks=num_blocks,
