@@ -34,6 +34,13 @@ from pdserve.messages import Message, RejectCode, Rejected, Subjects
 
 log = logging.getLogger(__name__)
 JETSTREAM_READY_S = 30.0  # how long a starting service waits for JetStream to answer about the stream
+# An event publish: JetStream's ack takes ~0.4 ms here, so an attempt unanswered for 2 s went to a server that
+# died or a stream that lost its leader; it is sent again (the event id deduplicates it) every ≤ 0.5 s, so a
+# stored commit follows a stream's new leader (elected in 4-9 s after its old one dies) by at most that, for
+# up to a minute of outage (a NATS server's restart) before the event is logged as lost.
+EVENT_ACK_TIMEOUT_S = 2.0
+EVENT_RETRY_MAX_S = 0.5
+EVENT_RETRY_FOR_S = 60.0
 
 Req = TypeVar("Req", bound=Message)
 Rep = TypeVar("Rep", bound=Message)
@@ -253,17 +260,25 @@ class Bus:
         await self._publish_event(ev)
         return ev
 
-    async def _publish_event(self, ev: Event, attempts: int = 20) -> None:
+    async def _publish_event(self, ev: Event) -> None:
         data = ev.model_dump_json().encode()
-        for attempt in range(attempts):
+        deadline = asyncio.get_running_loop().time() + EVENT_RETRY_FOR_S
+        attempt = 0
+        while True:
+            attempt += 1
             try:
                 await self.js.publish(self.subjects.event(ev.request_id, ev.type), data,
-                                      headers={"Nats-Msg-Id": ev.event_id}, timeout=5.0)
+                                      headers={"Nats-Msg-Id": ev.event_id}, timeout=EVENT_ACK_TIMEOUT_S)
+                if attempt > 1:
+                    log.info("event %s of %s stored at attempt %d", ev.type, ev.request_id, attempt)
                 return
             except Exception as e:  # server restarting: back off and retry, never drop silently
-                log.warning("event %s publish failed (%s), attempt %d", ev.type, e, attempt + 1)
-                await asyncio.sleep(min(0.1 * 2**attempt, 2.0))
-        log.error("event %s of %s lost after %d attempts", ev.type, ev.request_id, attempts)
+                if attempt == 1:
+                    log.warning("event %s of %s publish failed (%s); retrying", ev.type, ev.request_id, e)
+                if asyncio.get_running_loop().time() >= deadline:
+                    break
+                await asyncio.sleep(min(0.05 * 2**attempt, EVENT_RETRY_MAX_S))
+        log.error("event %s of %s lost after %d attempts", ev.type, ev.request_id, attempt)
 
     # ------------------------------------------------------------ lifecycle
 

@@ -165,8 +165,9 @@ class GatewaySettings(CommonSettings, ModelSettings):
     token_gap_timeout_s: float = Field(
         10.0, description="How long a hole in a request's token stream may stay open before it fails. While "
         "it is open the request's journal (TokensCommitted in JetStream) is read every second to fill it: "
-        "a chunk lost with a NATS server of a cluster is filled once the next commit is stored, which a "
-        "publisher whose server died retries after its 5 s JetStream timeout, hence 10 s (5 s before).")
+        "a chunk lost with a NATS server of a cluster is filled once the next commit is stored, which "
+        "follows the stream's new leader (elected 4-9 s after the old one dies) by ≤ 0.5 s; a read of the "
+        "journal that fails (no leader yet) starts this timeout again.")
     cached_tokens_wait_s: float = Field(
         1.0, description="Longest wait, at a request's end, for its PrefillCompleted (usage.cached_tokens).")
     read_your_writes_wait_s: float = Field(

@@ -165,6 +165,42 @@ async def test_chunks_lost_on_core_nats_are_filled_from_the_journal(bus, coord, 
     assert coord.aborts == [] or all(a.request_id != r.headers["x-request-id"] for a in coord.aborts)
 
 
+async def test_a_journal_unreadable_for_longer_than_the_gap_timeout_still_fills_the_hole(
+    bus, coord, tokenizer, gw_settings, db, monkeypatch
+):
+    """JetStream electing a stream's new leader (4-9 s after a NATS server dies) cannot be read: the gap
+    timeout starts again after each failed read, so the hole is filled once the journal answers."""
+    from nats.errors import TimeoutError as NatsTimeout
+
+    from pdserve.events import TokensCommitted
+    from pdserve.gateway import generation
+
+    unreadable_until = asyncio.get_running_loop().time() + 3.5  # > 2 gap timeouts, < the request timeout
+    reads = {"failed": 0}
+    real_read = generation.request_events
+
+    async def leaderless_read(b, request_id, event_type="*"):
+        if asyncio.get_running_loop().time() < unreadable_until:
+            reads["failed"] += 1
+            raise NatsTimeout
+        return await real_read(b, request_id, event_type)
+
+    monkeypatch.setattr(generation, "request_events", leaderless_read)
+
+    def script(req: Submit) -> list:
+        rid = req.request_id
+        return [TokenChunk(request_id=rid, index=0, token_ids=(5, 6)),
+                TokensCommitted(start_index=0, token_ids=[5, 6, 7, 8]),  # chunk (7, 8) lost on the way
+                TokenChunk(request_id=rid, index=4, token_ids=(9,), finish_reason=FinishReason.LENGTH)]
+    coord.script = script
+    app = create_app(bus, tokenizer, gw_settings.model_copy(update={"token_gap_timeout_s": 1.5}), db)
+    async with httpx.AsyncClient(transport=httpx.ASGITransport(app), base_url="http://gw") as c:
+        r = await c.post("/v1/completions", json={"model": MODEL, "prompt": "hi", "max_tokens": 5})
+    assert r.status_code == 200, r.text
+    assert r.json()["choices"][0]["text"] == tokenizer.decode([5, 6, 7, 8, 9])
+    assert reads["failed"] >= 2  # the hole outlived two gap timeouts' worth of failed reads
+
+
 # ------------------------------------------------------------------ streamed
 
 

@@ -101,6 +101,7 @@ class Generation:
         self.include_usage = include_usage
         self.deadline = time.monotonic() + timeout_s
         self.gap_timeout_s = gap_timeout_s
+        self._gap_deadline: float | None = None  # while a hole in the token stream is open: when it fails
         self.num_output_tokens = 0
         self.first_token_monotonic: float | None = None
         self.last_token_monotonic: float | None = None
@@ -155,10 +156,10 @@ class Generation:
         reassembler = ChunkReassembler()
         detokenizer = IncrementalDetokenizer(self._tokenizer, list(self.prepared.prompt_token_ids))
         stops = StopStringMatcher(self.prepared.stop)
-        gap_deadline: float | None = None
+        self._gap_deadline = None
         text_len = 0  # characters of output text so far: the next token's text offset
         while True:
-            chunk = await self._next_chunk(gap_deadline)
+            chunk = await self._next_chunk()
             ready = reassembler.push(chunk)
             if ready.token_ids:
                 now = time.monotonic()
@@ -193,9 +194,9 @@ class Generation:
                 yield TextDelta(stops.flush(), self.num_output_tokens, ready.finish_reason)
                 return
             if not reassembler.has_gap:
-                gap_deadline = None
-            elif gap_deadline is None:
-                gap_deadline = time.monotonic() + self.gap_timeout_s
+                self._gap_deadline = None
+            elif self._gap_deadline is None:
+                self._gap_deadline = time.monotonic() + self.gap_timeout_s
 
     async def _note_event(self, event: Event) -> None:
         """Keep what the request's lifecycle events tell the answer: the prompt tokens the first prefill
@@ -215,10 +216,15 @@ class Generation:
                     await self._prefilled.wait()
         return Usage.of(self.num_prompt_tokens, self.num_output_tokens, self.num_cached_tokens)
 
-    async def _next_chunk(self, gap_deadline: float | None) -> TokenChunk:
+    async def _next_chunk(self) -> TokenChunk:
+        """The next chunk on the bus or from the journal. While a gap is open the journal is read every
+        `JOURNAL_POLL_S`; a read that fails (JetStream electing a stream leader) starts the gap timeout
+        again, so a gap fails only after the journal, readable for that long, did not fill it.
+        Raises APIError 502 (gap timeout) or 504 (request timeout)."""
         silence_deadline = time.monotonic() + self.gap_timeout_s
         while True:
             now = time.monotonic()
+            gap_deadline = self._gap_deadline
             poll = now + JOURNAL_POLL_S if gap_deadline is not None else silence_deadline
             wait_until = min(self.deadline, poll if gap_deadline is None else min(gap_deadline, poll))
             try:
@@ -228,7 +234,9 @@ class Generation:
             except TimeoutError:
                 now = time.monotonic()
                 if now < self.deadline and (gap_deadline is None or now < gap_deadline):
-                    await self._fill_from_journal()  # puts what the journal holds into the queue
+                    # puts what the journal holds into the queue
+                    if not await self._fill_from_journal() and self._gap_deadline is not None:
+                        self._gap_deadline = time.monotonic() + self.gap_timeout_s
                     silence_deadline = now + self.gap_timeout_s
                     continue
             if gap_deadline is not None and gap_deadline < self.deadline:
@@ -243,18 +251,20 @@ class Generation:
         assert isinstance(item, TokenChunk)
         return item
 
-    async def _fill_from_journal(self) -> None:
+    async def _fill_from_journal(self) -> bool:
         """Queue, as chunks, what the request's stored events say about its output (the reassembler drops
-        what it has already). A failed read (NATS failing over) is logged; the next poll tries again."""
+        what it has already); False when the read failed (NATS failing over: logged, the next poll tries
+        again)."""
         try:
             async with asyncio.timeout(JOURNAL_READ_TIMEOUT_S):
                 records = await request_events(self.bus, self.request_id)
         except Exception as e:
             log.info("journal read of %s failed: %r", self.request_id, e)
-            return
+            return False
         for rec in records:
             if (chunk := event_chunk(rec.event)) is not None:
                 self._queue.put_nowait(chunk)
+        return True
 
     def disconnect(self) -> None:
         """The client left: abort the request unless it already ended, and wake `deltas()` (which then
