@@ -139,6 +139,18 @@ async def test_a_hole_in_the_token_stream_fails_the_request_and_aborts(client, c
     assert (await coord.abort_of(r.headers["x-request-id"])).reason == "token stream gap"
 
 
+async def complete_five_tokens(bus, tokenizer, gw_settings, db, gap_timeout_s: float) -> httpx.Response:
+    """A 5-token completion through a gateway with this token gap timeout, whose scripted stream is tokens
+    5, 6, 7, 8, 9 with a hole the journal fills: answered 200 with their text."""
+    settings = gw_settings.model_copy(update={"token_gap_timeout_s": gap_timeout_s})
+    app = create_app(bus, tokenizer, settings, db)
+    async with httpx.AsyncClient(transport=httpx.ASGITransport(app), base_url="http://gw") as c:
+        r = await c.post("/v1/completions", json={"model": MODEL, "prompt": "hi", "max_tokens": 5})
+    assert r.status_code == 200, r.text
+    assert r.json()["choices"][0]["text"] == tokenizer.decode([5, 6, 7, 8, 9])
+    return r
+
+
 async def test_chunks_lost_on_core_nats_are_filled_from_the_journal(bus, coord, tokenizer, gw_settings, db):
     """A NATS server of a cluster dying drops the chunks in flight through it: the gateway reads the
     request's TokensCommitted (and terminal event) from JetStream instead of failing on the hole."""
@@ -156,11 +168,7 @@ async def test_chunks_lost_on_core_nats_are_filled_from_the_journal(bus, coord, 
                 RequestCompleted(finish_reason=FinishReason.LENGTH, prompt_tokens=1, completion_tokens=5,
                                  ttft=ttft, e2e_s=0.1)]
     coord.script = script
-    app = create_app(bus, tokenizer, gw_settings.model_copy(update={"token_gap_timeout_s": 3.0}), db)
-    async with httpx.AsyncClient(transport=httpx.ASGITransport(app), base_url="http://gw") as c:
-        r = await c.post("/v1/completions", json={"model": MODEL, "prompt": "hi", "max_tokens": 5})
-    assert r.status_code == 200, r.text
-    assert r.json()["choices"][0]["text"] == tokenizer.decode([5, 6, 7, 8, 9])
+    r = await complete_five_tokens(bus, tokenizer, gw_settings, db, gap_timeout_s=3.0)
     assert r.json()["choices"][0]["finish_reason"] == "length"
     assert coord.aborts == [] or all(a.request_id != r.headers["x-request-id"] for a in coord.aborts)
 
@@ -193,11 +201,7 @@ async def test_a_journal_unreadable_for_longer_than_the_gap_timeout_still_fills_
                 TokensCommitted(start_index=0, token_ids=[5, 6, 7, 8]),  # chunk (7, 8) lost on the way
                 TokenChunk(request_id=rid, index=4, token_ids=(9,), finish_reason=FinishReason.LENGTH)]
     coord.script = script
-    app = create_app(bus, tokenizer, gw_settings.model_copy(update={"token_gap_timeout_s": 1.5}), db)
-    async with httpx.AsyncClient(transport=httpx.ASGITransport(app), base_url="http://gw") as c:
-        r = await c.post("/v1/completions", json={"model": MODEL, "prompt": "hi", "max_tokens": 5})
-    assert r.status_code == 200, r.text
-    assert r.json()["choices"][0]["text"] == tokenizer.decode([5, 6, 7, 8, 9])
+    await complete_five_tokens(bus, tokenizer, gw_settings, db, gap_timeout_s=1.5)
     assert reads["failed"] >= 2  # the hole outlived two gap timeouts' worth of failed reads
 
 
