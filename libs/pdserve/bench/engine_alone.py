@@ -15,10 +15,14 @@ import time
 from collections.abc import Sequence as Seq
 
 from pdserve.bench.datasets import SampleRequest
+from pdserve.config import WorkerSettings
 from pdserve.engine.llm_engine import EngineConfig, LLMEngine
 from pdserve.engine.model_family import EngineModel
 from pdserve.engine.sequence import Sequence
 from pdserve.messages import SamplingParams
+
+# a worker's chunked-prefill budget unless told otherwise (PDS_MAX_NUM_BATCHED_TOKENS)
+WORKER_MAX_NUM_BATCHED_TOKENS: int = WorkerSettings.model_fields["max_num_batched_tokens"].default
 
 
 def run_closed_loop(engine: LLMEngine, requests: Seq[SampleRequest], concurrency: int, salt: str) -> int:
@@ -42,9 +46,10 @@ def run_closed_loop(engine: LLMEngine, requests: Seq[SampleRequest], concurrency
 
 
 def engine_alone_tok_s(model: EngineModel, requests: Seq[SampleRequest], concurrency: int,
-                       max_num_batched_tokens: int = 512, num_blocks: int = 1024) -> float:
+                       max_num_batched_tokens: int = WORKER_MAX_NUM_BATCHED_TOKENS,
+                       num_blocks: int = 1024) -> float:
     """Output tokens/s of `requests` through a fresh engine on `model` (this thread's torch threads), at
-    most `concurrency` in flight: the engine's `max_num_batched_tokens` (chunked-prefill budget) as a
+    most `concurrency` in flight: the engine's `max_num_batched_tokens` (chunked-prefill budget) a
     worker's default (config.WorkerSettings), `num_blocks` KV blocks (SmolLM2 fp32: 720 KiB each; 1024
     hold 8 requests of 2,048 tokens), after an untimed warm-up of the first `concurrency` requests.
     Raises ValueError for no requests."""
