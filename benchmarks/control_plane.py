@@ -19,9 +19,11 @@ The stacks use this machine's NATS (4222) and Postgres (5432) when they answer, 
 (`PDS_NATS_URL` / `PDS_DATABASE_URL` choose others). Per request: overhead = client TTFT − the prefill
 worker's forward (its `PrefillCompleted.prefill_s`, from the event log) − exposed transfer (the
 coordinator's TTFT breakdown), split into client↔gateway, queue, route, reserve, prefill dispatch and
-first token (libs/pdserve/bench/control_plane.py). Each round sends `--num-prompts` fresh random prompts
-per concurrency to each server in an order rotated every round and reversed every other
-(`sidebyside.round_order`). Reported: p50 / p99 of the overhead minus the floor's TTFT (same
+first token (libs/pdserve/bench/control_plane.py), and the same way hop by hop from the spans each stack's
+services exported (libs/pdserve/bench/hops.py: HTTP → gateway.request → the coordinator's Submit handler →
+its run → the prefill command → the worker's handler → its forward). Each round sends `--num-prompts`
+fresh random prompts per concurrency to each server in an order rotated every round and reversed every
+other (`sidebyside.round_order`). Reported: p50 / p99 of the overhead minus the floor's TTFT (same
 concurrency, same run, all rounds pooled), and the per-round p50 differences. Targets (issue 14): ≤ 4 ms
 p50 above the floor disaggregated, ≤ 2 ms colocated. Before and after the rounds it measures the bus under
 the control plane (libs/pdserve/bench/bus_floor.py: one NATS request/reply, bare and typed, and the
@@ -51,15 +53,22 @@ from pdserve.bench.bus_floor import CRITICAL_PATH_MESSAGES, measure_bus_floor
 from pdserve.bench.compare import code_commit, cpu_model, warm_up
 from pdserve.bench.control_plane import PHASES, fetch_worker_prefill_s, request_overheads, summarise
 from pdserve.bench.datasets import random_dataset
+from pdserve.bench.hops import HOPS, request_hops
 from pdserve.bench.runner import LoadSpec, run_load
 from pdserve.bench.sidebyside import free_port, pdserve_stack, round_order
+from pdserve.telemetry.setup import SCHEDULE_DELAY_MS
+from pdserve.telemetry.spans import load_spans
 
 console = Console(highlight=False, soft_wrap=True)
+SPAN_EXPORT_WAIT_S = 3 * SCHEDULE_DELAY_MS / 1000  # the services export their spans every 0.5 s
 SERVERS = ("floor", "colocated", "disaggregated", "colocated-router", "disaggregated-router")
 TARGET_MS = {"disaggregated": 4.0, "colocated": 2.0}  # by mode: a *-router stack has its mode's target
 PHASE_LABELS = {"client_gateway": "client↔gateway", "queue": "queue", "route": "route", "reserve": "reserve",
                 "prefill_dispatch": "prefill dispatch", "start_decode": "start decode",
                 "first_token": "first token"}
+HOP_LABELS = {"http": "HTTP → gateway.request", "submit": "→ coordinator (Submit)",
+              "claim": "→ run (lease claim, RequestReceived stored)", "dispatch": "→ prefill command",
+              "command": "→ worker handler", "handler": "→ forward"}
 
 
 @contextlib.contextmanager
@@ -92,9 +101,9 @@ def floor_server(log: Path) -> Iterator[str]:
 
 
 async def one_run(url: str, database_url: str | None, n: int, input_len: int, output_len: int,
-                  concurrency: int, seed: int) -> dict:
+                  concurrency: int, seed: int, trace_dir: Path | None = None) -> dict:
     """`n` random prompts at `concurrency`; per request the client TTFT, and for a pdserve stack the
-    overhead rows joined from its event log."""
+    overhead rows joined from its event log and the hops from its spans under `trace_dir`."""
     samples = random_dataset(n, input_len, output_len, seed=seed)
     load = LoadSpec(max_concurrency=concurrency, seed=seed, read_timeout_s=120.0)
     result = await run_load(url, samples, load, progress=True)
@@ -106,6 +115,10 @@ async def one_run(url: str, database_url: str | None, n: int, input_len: int, ou
         breakdowns = await fetch_breakdowns(database_url, ids)
         prefill = await fetch_worker_prefill_s(database_url, ids)
         out["rows"] = request_overheads(ok, breakdowns, prefill)
+    if trace_dir is not None:
+        await asyncio.sleep(SPAN_EXPORT_WAIT_S)
+        out["hops"] = list(request_hops(load_spans(trace_dir).spans,
+                                        [r.request_id for r in ok if r.request_id]).values())
     return out
 
 
@@ -127,6 +140,11 @@ def summarise_all(results: dict) -> dict:
                     per_round.append(one["above_floor_p50_ms"])
             s["above_floor_p50_ms_rounds"] = per_round
             s["failed"] = sum(r.get(name, {}).get("failed", 0) for r in rounds)
+            hops = [h for r in rounds for h in r.get(name, {}).get("hops", [])]
+            if hops:
+                s["hops_requests"] = len(hops)
+                s["hops_p50_ms"] = {k: statistics.median(h[k] for h in hops) * 1e3 for k in HOPS}
+                s["hops_mean_ms"] = {k: statistics.fmean(h[k] for h in hops) * 1e3 for k in HOPS}
             summary[conc][name] = s
     return summary
 
@@ -201,6 +219,17 @@ def write_reports(results: dict, out: Path) -> list[Path]:
             s = by[name]
             cells = " | ".join(f"{s['phases_p50_ms'][p]:.2f} / {s['phases_mean_ms'][p]:.2f}" for p in PHASES)
             lines.append(f"| {conc} | {name} | {cells} | {s['overhead_mean_ms']:.2f} |")
+    hop_rows = [(conc, name, by[name]) for conc, by in summary.items() for name in stacks
+                if "hops_p50_ms" in by[name]]
+    if hop_rows:
+        lines += ["", "The same way hop by hop, from the start of one span of the request's trace to the "
+                  "start of the next (p50 / mean ms; libs/pdserve/bench/hops.py says what each holds): a hop "
+                  "between two services holds the message, the receiver waking up and its decoding.", "",
+                  "| concurrency | stack | " + " | ".join(HOP_LABELS[h] for h in HOPS) + " | requests |",
+                  "|---|---|" + "---|" * (len(HOPS) + 1)]
+        for conc, name, s in hop_rows:
+            cells = " | ".join(f"{s['hops_p50_ms'][h]:.2f} / {s['hops_mean_ms'][h]:.2f}" for h in HOPS)
+            lines.append(f"| {conc} | {name} | {cells} | {s['hops_requests']} |")
     if floors := results.get("bus_floor"):
         raw = " / ".join(f"{f['raw_round_trip_p50_ms']:.2f}" for f in floors)
         typed = " / ".join(f"{f['typed_round_trip_p50_ms']:.2f}" for f in floors)
@@ -298,15 +327,18 @@ def main() -> int:
     with contextlib.ExitStack() as up:
         urls: dict[str, str] = {}
         dbs: dict[str, str | None] = {}
+        traces: dict[str, Path | None] = {}
         for name in args.servers:
             t0 = time.monotonic()
             if name == "floor":
                 urls[name], dbs[name] = up.enter_context(floor_server(var_dir / "floor.log")), None
+                traces[name] = None
             else:
                 mode, _, placement = name.partition("-")
                 routers = ("--routers", "1") if placement == "router" else ()
                 stack = up.enter_context(pdserve_stack(mode, "tiny", var_dir / name, up_args=routers))
                 urls[name], dbs[name] = stack.state.gateway_url, stack.state.database_url or None
+                traces[name] = stack.var_dir / "traces"
                 if not dbs[name]:
                     raise RuntimeError(f"the {name} stack reports no database: the breakdown cannot be read")
             # (the floor streams one token, not the warm-up's eight: it needs no warming)
@@ -319,7 +351,8 @@ def main() -> int:
                 for name in entry["_order"]:
                     console.print(f"round {r + 1}/{args.rounds} concurrency {conc}: [bold]{name}[/]")
                     entry[name] = asyncio.run(one_run(urls[name], dbs[name], args.num_prompts, args.input_len,
-                                                      args.output_len, conc, seed=1000 * r + ci))
+                                                      args.output_len, conc, seed=1000 * r + ci,
+                                                      trace_dir=traces[name]))
                     entry[name]["loadavg_1min_after"] = os.getloadavg()[0]
                 results["runs"][str(conc)].append(entry)
                 results["meta"]["loadavg_end"] = os.getloadavg()
