@@ -7,7 +7,9 @@ from __future__ import annotations
 
 import asyncio
 
-from pdserve.bus import Bus, RejectedError
+from nats.errors import NoRespondersError
+
+from pdserve.bus import Bus, BusTimeout, RejectedError
 from pdserve.config import CoordinatorSettings
 from pdserve.events import Event, RequestFailed, RequestReceived, RequestRouted
 from pdserve.ids import new_id
@@ -15,6 +17,20 @@ from pdserve.lifecycle.coordinator import Coordinator
 from pdserve.lifecycle.journal import request_events
 from pdserve.lifecycle.ownership import Ownership
 from pdserve.messages import Accepted, Receipt, RejectCode, RouteRequest, SamplingParams, Submit
+
+
+async def submit_when_served(bus: Bus, submit: Submit) -> Accepted:
+    """`submit` from `bus` until a coordinator answers. A request sent from one connection right after
+    another one subscribed (and flushed) may still find no responder: measured with bare nats-py on a
+    lone nats-server, about 1 in 300; in this file's runs, 1 in 6-10. A Submit is idempotent."""
+    for _ in range(40):
+        try:
+            return await bus.request(bus.subjects.submit, submit, Accepted, timeout_s=5)
+        except BusTimeout as e:
+            if not isinstance(e.__cause__, NoRespondersError):
+                raise
+            await asyncio.sleep(0.05)
+    raise AssertionError("no coordinator answered the Submit within 2 s")
 
 
 async def test_a_submit_another_coordinator_owns_is_routed_ahead_then_dropped_unrecorded(settings):
@@ -44,7 +60,7 @@ async def test_a_submit_another_coordinator_owns_is_routed_ahead_then_dropped_un
                                         on_routed)
         submit = Submit(request_id=rid, model="m", prompt_token_ids=(1, 2, 3),
                         sampling=SamplingParams(max_tokens=4), received_ts=0.0)
-        accepted = await other_bus.request(other_bus.subjects.submit, submit, Accepted, timeout_s=5)
+        accepted = await submit_when_served(other_bus, submit)
         assert accepted.request_id == rid
         for _ in range(100):  # the question went out ahead of the claim's answer
             if asked:
@@ -80,7 +96,7 @@ async def test_a_gateway_submit_is_accepted_once_its_request_received_is_stored_
         receipt = Receipt(event_id=new_id(), endpoint="/v1/completions", stream=True, stop=("###",))
         submit = Submit(request_id=rid, model="m", prompt_token_ids=(1, 2, 3),
                         sampling=SamplingParams(max_tokens=4), received_ts=123.0, receipt=receipt)
-        await gateway_bus.request(gateway_bus.subjects.submit, submit, Accepted, timeout_s=5)
+        await submit_when_served(gateway_bus, submit)
         stored = [r.event for r in await request_events(gateway_bus, rid)]
         assert [e.type for e in stored] == ["RequestReceived"]  # stored by the time it was accepted
         assert stored[0].event_id == receipt.event_id and stored[0].service == "c"
