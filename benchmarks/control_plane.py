@@ -327,12 +327,11 @@ def main() -> int:
     with contextlib.ExitStack() as up:
         urls: dict[str, str] = {}
         dbs: dict[str, str | None] = {}
-        traces: dict[str, Path | None] = {}
+        traces: dict[str, Path] = {}  # a pdserve stack's span files (the floor has none)
         for name in args.servers:
             t0 = time.monotonic()
             if name == "floor":
                 urls[name], dbs[name] = up.enter_context(floor_server(var_dir / "floor.log")), None
-                traces[name] = None
             else:
                 mode, _, placement = name.partition("-")
                 routers = ("--routers", "1") if placement == "router" else ()
@@ -352,7 +351,7 @@ def main() -> int:
                     console.print(f"round {r + 1}/{args.rounds} concurrency {conc}: [bold]{name}[/]")
                     entry[name] = asyncio.run(one_run(urls[name], dbs[name], args.num_prompts, args.input_len,
                                                       args.output_len, conc, seed=1000 * r + ci,
-                                                      trace_dir=traces[name]))
+                                                      trace_dir=traces.get(name)))
                     entry[name]["loadavg_1min_after"] = os.getloadavg()[0]
                 results["runs"][str(conc)].append(entry)
                 results["meta"]["loadavg_end"] = os.getloadavg()
