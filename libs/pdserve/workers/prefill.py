@@ -179,5 +179,5 @@ class PrefillCommands:
             return 0.0
         await core.bus.publish(core.bus.subjects.tokens(req.request_id), TokenChunk(
             request_id=req.request_id, index=req.output_start_index, token_ids=(token,),
-            logprobs=(logprobs,) if logprobs is not None else None))
+            logprobs=(logprobs,) if logprobs is not None else None), now=True)
         return time.time()
