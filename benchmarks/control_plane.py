@@ -27,7 +27,9 @@ other (`sidebyside.round_order`). Reported: p50 / p99 of the overhead minus the 
 concurrency, same run, all rounds pooled), and the per-round p50 differences. Targets (issue 14): ≤ 4 ms
 p50 above the floor disaggregated, ≤ 2 ms colocated. Before and after the rounds it measures the bus under
 the control plane (libs/pdserve/bench/bus_floor.py: one NATS request/reply, bare and typed, and the
-critical path's messaging floor derived from it). Writes control_plane.json, .md and .png under
+critical path's messaging floor derived from it). Around each load it reads the CPU time every process of
+the server spent — the services by role, NATS, Postgres, the client (libs/pdserve/bench/cpu_time.py) — per
+request, and the share of the machine's cores they kept busy. Writes control_plane.json, .md and .png under
 `--out`.
 """
 
@@ -52,6 +54,7 @@ from pdserve.bench.breakdown import fetch_breakdowns
 from pdserve.bench.bus_floor import CRITICAL_PATH_MESSAGES, measure_bus_floor
 from pdserve.bench.compare import code_commit, cpu_model, warm_up
 from pdserve.bench.control_plane import PHASES, fetch_worker_prefill_s, request_overheads, summarise
+from pdserve.bench.cpu_time import CpuMeter, process_meter, stack_meter
 from pdserve.bench.datasets import random_dataset
 from pdserve.bench.hops import HOPS, request_hops
 from pdserve.bench.runner import LoadSpec, run_load
@@ -72,8 +75,8 @@ HOP_LABELS = {"http": "HTTP → gateway.request", "submit": "→ coordinator (Su
 
 
 @contextlib.contextmanager
-def floor_server(log: Path) -> Iterator[str]:
-    """The bare FastAPI SSE server in a process of its own; yields its URL."""
+def floor_server(log: Path) -> Iterator[tuple[str, int]]:
+    """The bare FastAPI SSE server in a process of its own; yields its URL and pid."""
     port = free_port()
     with open(log, "wb") as out:
         proc = subprocess.Popen([sys.executable, "-c", "from pdserve.bench.sse_floor import main; main()",
@@ -90,7 +93,7 @@ def floor_server(log: Path) -> Iterator[str]:
             if time.monotonic() > deadline:
                 raise TimeoutError(f"the floor server did not answer in 60 s; see {log}")
             time.sleep(0.2)
-        yield url
+        yield url, proc.pid
     finally:
         proc.terminate()
         try:
@@ -101,15 +104,22 @@ def floor_server(log: Path) -> Iterator[str]:
 
 
 async def one_run(url: str, database_url: str | None, n: int, input_len: int, output_len: int,
-                  concurrency: int, seed: int, trace_dir: Path | None = None) -> dict:
-    """`n` random prompts at `concurrency`; per request the client TTFT, and for a pdserve stack the
-    overhead rows joined from its event log and the hops from its spans under `trace_dir`."""
+                  concurrency: int, seed: int, meter: CpuMeter, trace_dir: Path | None = None) -> dict:
+    """`n` random prompts at `concurrency`; per request the client TTFT and the CPU each of the server's
+    processes spent (`meter`), and for a pdserve stack the overhead rows joined from its event log and
+    the hops from its spans under `trace_dir`."""
     samples = random_dataset(n, input_len, output_len, seed=seed)
     load = LoadSpec(max_concurrency=concurrency, seed=seed, read_timeout_s=120.0)
+    cpu_before, t0 = meter.read(), time.monotonic()
     result = await run_load(url, samples, load, progress=True)
+    wall_s, cpu_after = time.monotonic() - t0, meter.read()
     ok = [r for r in result.records if r.success]
     out: dict = {"client_ttft_s": [r.ttft_s for r in ok], "failed": len(result.records) - len(ok),
-                 "errors": sorted({r.error[:200] for r in result.records if not r.success})[:3]}
+                 "errors": sorted({r.error[:200] for r in result.records if not r.success})[:3],
+                 "cpu_ms_per_request": CpuMeter.per_request(cpu_before, cpu_after, len(result.records)),
+                 "busy": sum(cpu_after.values()) - sum(cpu_before.values()),
+                 "wall_s": wall_s}
+    out["busy"] /= wall_s * (os.cpu_count() or 1)  # the share of the machine's cores these processes used
     if database_url:
         ids = [r.request_id for r in ok if r.request_id]
         breakdowns = await fetch_breakdowns(database_url, ids)
@@ -140,13 +150,27 @@ def summarise_all(results: dict) -> dict:
                     per_round.append(one["above_floor_p50_ms"])
             s["above_floor_p50_ms_rounds"] = per_round
             s["failed"] = sum(r.get(name, {}).get("failed", 0) for r in rounds)
+            s.update(cpu_summary([r[name] for r in rounds if name in r]))
             hops = [h for r in rounds for h in r.get(name, {}).get("hops", [])]
             if hops:
                 s["hops_requests"] = len(hops)
                 s["hops_p50_ms"] = {k: statistics.median(h[k] for h in hops) * 1e3 for k in HOPS}
                 s["hops_mean_ms"] = {k: statistics.fmean(h[k] for h in hops) * 1e3 for k in HOPS}
             summary[conc][name] = s
+        if floor_runs := [r["floor"] for r in rounds if "floor" in r]:
+            summary[conc]["floor"] = cpu_summary(floor_runs)
     return summary
+
+
+def cpu_summary(runs: list[dict]) -> dict:
+    """CPU ms per request of each process group and the machine's busy share, mean over `runs` (rounds)."""
+    runs = [r for r in runs if "cpu_ms_per_request" in r]
+    if not runs:
+        return {}
+    names = dict.fromkeys(n for r in runs for n in r["cpu_ms_per_request"])
+    return {"cpu_ms_per_request": {n: statistics.fmean(r["cpu_ms_per_request"].get(n, 0.0) for r in runs)
+                                   for n in names},
+            "busy": statistics.fmean(r["busy"] for r in runs)}
 
 
 def _rounded(x):
@@ -230,6 +254,20 @@ def write_reports(results: dict, out: Path) -> list[Path]:
         for conc, name, s in hop_rows:
             cells = " | ".join(f"{s['hops_p50_ms'][h]:.2f} / {s['hops_mean_ms'][h]:.2f}" for h in HOPS)
             lines.append(f"| {conc} | {name} | {cells} | {s['hops_requests']} |")
+    if cpu_rows := [(conc, name, by[name]) for conc, by in summary.items() for name in results["servers"]
+                    if by.get(name, {}).get("cpu_ms_per_request")]:
+        groups = list(dict.fromkeys(g for *_, s in cpu_rows for g in s["cpu_ms_per_request"]))
+        lines += ["", "CPU each process spent per request (ms, user + system, all its threads; mean over "
+                  "rounds; libs/pdserve/bench/cpu_time.py), and the share of the machine's cores all of them "
+                  "kept busy during the load: on two cores, the time a process waits for one is part of "
+                  "every hop after it. The workers' time holds the forward; NATS and Postgres are the "
+                  "machine's own when the stacks use them (the idle stacks' heartbeats count too).", "",
+                  "| concurrency | server | " + " | ".join(groups) + " | all | machine busy |",
+                  "|---|---|" + "---|" * (len(groups) + 2)]
+        for conc, name, s in cpu_rows:
+            cpu = s["cpu_ms_per_request"]
+            cells = " | ".join(f"{cpu[g]:.1f}" if g in cpu else "–" for g in groups)
+            lines.append(f"| {conc} | {name} | {cells} | {sum(cpu.values()):.1f} | {s['busy']:.0%} |")
     if floors := results.get("bus_floor"):
         raw = " / ".join(f"{f['raw_round_trip_p50_ms']:.2f}" for f in floors)
         typed = " / ".join(f"{f['typed_round_trip_p50_ms']:.2f}" for f in floors)
@@ -328,16 +366,19 @@ def main() -> int:
         urls: dict[str, str] = {}
         dbs: dict[str, str | None] = {}
         traces: dict[str, Path] = {}  # a pdserve stack's span files (the floor has none)
+        meters: dict[str, CpuMeter] = {}
         for name in args.servers:
             t0 = time.monotonic()
             if name == "floor":
-                urls[name], dbs[name] = up.enter_context(floor_server(var_dir / "floor.log")), None
+                (urls[name], pid), dbs[name] = up.enter_context(floor_server(var_dir / "floor.log")), None
+                meters[name] = process_meter(pid, "floor server")
             else:
                 mode, _, placement = name.partition("-")
                 routers = ("--routers", "1") if placement == "router" else ()
                 stack = up.enter_context(pdserve_stack(mode, "tiny", var_dir / name, up_args=routers))
                 urls[name], dbs[name] = stack.state.gateway_url, stack.state.database_url or None
                 traces[name] = stack.var_dir / "traces"
+                meters[name] = stack_meter(stack.state)
                 if not dbs[name]:
                     raise RuntimeError(f"the {name} stack reports no database: the breakdown cannot be read")
             # (the floor streams one token, not the warm-up's eight: it needs no warming)
@@ -351,7 +392,7 @@ def main() -> int:
                     console.print(f"round {r + 1}/{args.rounds} concurrency {conc}: [bold]{name}[/]")
                     entry[name] = asyncio.run(one_run(urls[name], dbs[name], args.num_prompts, args.input_len,
                                                       args.output_len, conc, seed=1000 * r + ci,
-                                                      trace_dir=traces.get(name)))
+                                                      meter=meters[name], trace_dir=traces.get(name)))
                     entry[name]["loadavg_1min_after"] = os.getloadavg()[0]
                 results["runs"][str(conc)].append(entry)
                 results["meta"]["loadavg_end"] = os.getloadavg()
