@@ -49,6 +49,8 @@ static inline v16 select16(i16 mask, v16 a, v16 b) { /* a where mask lanes are -
 
 static inline v16 max16(v16 a, v16 b) { return select16(a > b, a, b); }
 
+static inline v16 min16(v16 a, v16 b) { return select16(a < b, a, b); }
+
 /* Every lane of the result = the max (hmax16) or the sum (hsum16) of x's 16 lanes: four rounds of
  * combining x with itself rotated by 8, 4, 2, 1 lanes, rather than a 16-step scalar chain. */
 static inline v16 hmax16(v16 x) {
@@ -81,5 +83,12 @@ static inline v16 exp16(v16 x) {
     y = y * x * x + x + 1.0f;
     return y * (v16)((n + 127) << 23);
 }
+
+/* silu(g) = g / (1 + e^-g) in every lane (SwiGLU's gate, vLLM's SiluAndMul), e^-g at most e^88: past that
+ * 1 + e^-g is inf, and -ffast-math's reciprocal (an estimate refined by one Newton step, r (2 - d r))
+ * turns inf * 0 into NaN where HF's silu gives -0 (g < -88.7: a large negative gate). Clamped, the
+ * quotient is a denormal flushed to 0. One definition for every kernel that applies it, so they agree
+ * to the bit. */
+static inline v16 silu16(v16 g) { return g / (1.0f + exp16(min16(-g, (v16){0} + 88.0f))); }
 
 #endif

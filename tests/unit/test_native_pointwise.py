@@ -69,6 +69,17 @@ def test_silu_and_mul_matches_torch(threads, rows, d):
     torch.testing.assert_close(out, F.silu(gate_up[:, :d]) * gate_up[:, d:], rtol=1e-5, atol=1e-6)
 
 
+@pytest.mark.parametrize("d", [16, 20])  # a whole vector, and one with a tail
+def test_silu_and_mul_of_a_gate_past_e_to_the_88_is_torchs_not_nan(threads, d):
+    # 1 + e^-g overflows to inf for g < -88.7: the kernel's reciprocal estimate gave inf * 0 = NaN there
+    gates = torch.tensor([-1e4, -200.0, -100.0, -89.0, -88.0, -87.0, 0.0, 87.0, 89.0, 100.0, 1e4])
+    gate = gates.repeat(-(-d // len(gates)))[:d]
+    gate_up = torch.cat([gate, torch.full((d,), 3.0)]).unsqueeze(0)
+    out = activation.silu_and_mul(gate_up)
+    assert torch.isfinite(out).all()
+    torch.testing.assert_close(out, F.silu(gate_up[:, :d]) * gate_up[:, d:], rtol=1e-5, atol=1e-6)
+
+
 def test_silu_and_mul_rejects_an_odd_width():
     with pytest.raises(ValueError, match="even"):
         activation.silu_and_mul(torch.zeros(2, 7))
