@@ -69,6 +69,9 @@ TARGET_MS = {"disaggregated": 4.0, "colocated": 2.0}  # by mode: a *-router stac
 PHASE_LABELS = {"client_gateway": "client↔gateway", "queue": "queue", "route": "route", "reserve": "reserve",
                 "prefill_dispatch": "prefill dispatch", "start_decode": "start decode",
                 "first_token": "first token"}
+# the CPU table's columns: the client, the server's processes along a request's way, then its log
+CPU_GROUPS = ("client", "floor server", "gateway", "router", "coordinator", "workers", "recorder", "NATS",
+              "Postgres")
 HOP_LABELS = {"http": "HTTP → gateway.request", "submit": "→ coordinator (Submit)",
               "claim": "→ run (lease claim, RequestReceived stored)", "dispatch": "→ prefill command",
               "command": "→ worker handler", "handler": "→ forward"}
@@ -256,7 +259,8 @@ def write_reports(results: dict, out: Path) -> list[Path]:
             lines.append(f"| {conc} | {name} | {cells} | {s['hops_requests']} |")
     if cpu_rows := [(conc, name, by[name]) for conc, by in summary.items() for name in results["servers"]
                     if by.get(name, {}).get("cpu_ms_per_request")]:
-        groups = list(dict.fromkeys(g for *_, s in cpu_rows for g in s["cpu_ms_per_request"]))
+        seen = {g for *_, s in cpu_rows for g in s["cpu_ms_per_request"]}
+        groups = [g for g in CPU_GROUPS if g in seen] + sorted(seen - set(CPU_GROUPS))
         lines += ["", "CPU each process spent per request (ms, user + system, all its threads; mean over "
                   "rounds; libs/pdserve/bench/cpu_time.py), and the share of the machine's cores all of them "
                   "kept busy during the load: on two cores, the time a process waits for one is part of "

@@ -123,7 +123,8 @@ def gemms_only(
     model, hidden: torch.Tensor, attn: torch.Tensor, gate: torch.Tensor, logits_rows: int = 1
 ) -> None:
     """The GEMMs of a step through `model`'s own Linears on `gemm_inputs` (the LM head on the last
-    `logits_rows` rows): what the step costs with attention, norms, RoPE and Python free."""
+    `logits_rows` rows; gate/up with its SwiGLU, which the C kernel computes in the GEMM's epilogue): what
+    the step costs with attention, norms, RoPE and Python free."""
     for layer in model.layers:
         layer.qkv(hidden)
         layer.o.add(attn, hidden)

@@ -48,7 +48,7 @@ def _kernels() -> tuple[Callable[..., int], Callable[..., int]] | None:
 class LayerWeights:
     """One decoder layer's weights as the C kernels read them: the two RMSNorm weights [hidden] and the four
     projections' packed panels (`skinny_linear.pack` of the [out, in] weights: Q, K, V fused; O; gate and up
-    fused; down), all fp32 on the CPU."""
+    as `skinny_linear.pack_gated`'s, SwiGLU in the GEMM's epilogue; down), all fp32 on the CPU."""
 
     input_norm: torch.Tensor
     post_norm: torch.Tensor

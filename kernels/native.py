@@ -69,7 +69,7 @@ def wide_vectors() -> bool:
 
 # Libraries linked from several sources: the decode-step driver calls the kernels beside it.
 LINKED = {"llama_decode": ("llama_decode", "rms_norm", "rope", "store_kv", "paged_decode_attention",
-                           "skinny_linear", "silu_and_mul")}
+                           "skinny_linear")}
 
 
 def _build(name: str, compiler: str) -> Path:

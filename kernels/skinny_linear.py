@@ -2,7 +2,8 @@
 panels of `panel_width()` output features, each [in_features][panel_width]) streamed once per call, the
 next panel prefetched while one is read: a decode step's GEMMs (a few rows, bound by reading the weights)
 and a short prefill's. engine/linear.py takes it for the row counts where it measured fastest on this
-machine (`calibrate_paths`)."""
+machine (`calibrate_paths`). `pack_gated` and `skinny_gated_linear` are the same kernel on SwiGLU's fused
+gate/up weight with the activation in the GEMM's epilogue: `silu(x @ gate.T) * (x @ up.T)`."""
 
 from __future__ import annotations
 
@@ -27,6 +28,21 @@ def _pack_kernel() -> Callable[..., int] | None:
     # w, n, k, panels, num_threads (csrc/skinny_linear.c)
     return native.bind("skinny_linear", [native.PTR, native.I64, native.I64, native.PTR, native.INT],
                        symbol="skinny_pack")
+
+
+@functools.cache
+def _gated_kernel() -> Callable[..., int] | None:
+    i64, ptr = native.I64, native.PTR
+    # x, x_stride, panels, d, k, out, rows, num_threads (csrc/skinny_linear.c)
+    return native.bind("skinny_linear", [ptr, i64, ptr, i64, i64, ptr, i64, native.INT],
+                       symbol="skinny_gated_linear")
+
+
+@functools.cache
+def _pack_gated_kernel() -> Callable[..., int] | None:
+    # w, d, k, panels, num_threads (csrc/skinny_linear.c)
+    return native.bind("skinny_linear", [native.PTR, native.I64, native.I64, native.PTR, native.INT],
+                       symbol="skinny_pack_gated")
 
 
 @functools.cache
@@ -81,4 +97,42 @@ def skinny_linear(x: torch.Tensor, panels: torch.Tensor, n: int,
                     torch.get_num_threads())
     if status:
         raise ValueError(f"skinny_linear refused {rows} rows of {k} against {n} outputs")
+    return out
+
+
+def pack_gated(weight: torch.Tensor) -> torch.Tensor:
+    """The gated kernel's copy of SwiGLU's fused `weight` [2 d, k] (gate's d rows, then up's; where
+    `takes_weight`): [ceil(d / half), k, panel_width()] fp32 with half = panel_width() / 2, panel p holding
+    gate features p * half onwards in its first half columns and the same up features in the rest,
+    transposed, the last zero-padded. On `torch.get_num_threads()` threads. Raises ValueError for an odd
+    number of rows."""
+    pack_c = _pack_gated_kernel()
+    assert pack_c is not None and takes_weight(weight)
+    if weight.shape[0] % 2:
+        raise ValueError(f"a gate/up weight has an even number of rows, not {weight.shape[0]}")
+    (two_d, k), width = weight.shape, panel_width()
+    d, half = two_d // 2, width // 2
+    weight = weight.contiguous()
+    panels = torch.empty(-(-d // half), k, width, dtype=torch.float32)
+    pack_c(weight.data_ptr(), d, k, panels.data_ptr(), torch.get_num_threads())
+    return panels
+
+
+def skinny_gated_linear(x: torch.Tensor, panels: torch.Tensor, d: int) -> torch.Tensor:
+    """`silu(x @ gate.T) * (x @ up.T)` as a new [rows, d] fp32 tensor, `panels` = `pack_gated` of the
+    [2 d, k] gate/up weight: SwiGLU (Shazeer 2020, https://arxiv.org/abs/2002.05202) with the activation in
+    the GEMM's epilogue, the same values as `silu_and_mul` of the [rows, 2 d] product. On
+    `torch.get_num_threads()` threads. Call only where `takes_rows(x)`; raises ValueError when `panels` is no
+    packed gate/up weight of d features over x's k."""
+    kernel = _gated_kernel()
+    assert kernel is not None
+    rows, k = x.shape
+    half = panels.shape[2] // 2 if panels.dim() == 3 else 0
+    if panels.dim() != 3 or panels.shape[1] != k or not 0 < d <= panels.shape[0] * half:
+        raise ValueError(f"panels {tuple(panels.shape)} are no packed gate/up weight of {d} x {k}")
+    out = torch.empty(rows, d, dtype=torch.float32)
+    status = kernel(x.data_ptr(), x.stride(0), panels.data_ptr(), d, k, out.data_ptr(), rows,
+                    torch.get_num_threads())
+    if status:
+        raise ValueError(f"skinny_gated_linear refused {rows} rows of {k} against {d} outputs")
     return out

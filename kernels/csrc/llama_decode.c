@@ -1,9 +1,10 @@
 /* A decode step's decoder layers of a Llama in one call (fp32, CPU): for every layer, the kernels beside
  * this file in the order LlamaModel.forward (libs/pdserve/engine/model.py) calls them one by one —
  *   x = rms_norm(hidden); qkv = x Wqkv; q, k = rope(q, k); store_kv(k, v); a = attention(q, pool);
- *   hidden += a Wo; x = rms_norm(hidden); hidden += silu_and_mul(x Wgate_up) Wdown
+ *   hidden += a Wo; x = rms_norm(hidden); hidden += gated(x Wgate_up) Wdown
  * — on the same inputs, so the result is the same to the bit. The GEMMs are skinny_linear's (packed
- * weights), the attention paged_decode_attention's: this runs only where the forward would take those.
+ * weights; gate/up with SwiGLU's silu(gate) * up in its epilogue, skinny_gated_linear), the attention
+ * paged_decode_attention's: this runs only where the forward would take those.
  *
  * Why one call: from Python, a decode step of SmolLM2 (30 layers) made ~300 kernel calls, each ~10-30 us of
  * interpreter, argument checks, ctypes and an output allocation around a few us of work (a 30-layer model
@@ -17,9 +18,10 @@
  *   cos, sin     [rows, head_dim] contiguous: the rope tables' rows at each token's position
  *   slots        [rows] int64 pool slots of the new tokens' K and V (block_id * block_size + offset)
  *   block_tables [rows, table_stride] int64, context_lens [rows] int64 (paged_decode_attention's)
- *   scratch      rows * (hidden + 3 q + 3 kv + 3 intermediate) floats (llama_decode_scratch_floats), where q
+ *   scratch      rows * (hidden + 3 q + 3 kv + intermediate) floats (llama_decode_scratch_floats), where q
  *                and kv are num_heads and num_kv_heads times head_dim
- *   layers[l]    its norms' weights [hidden], its four projections as skinny_pack panels, its KV pool
+ *   layers[l]    its norms' weights [hidden], its four projections as skinny_pack panels (gate/up as
+ *                skinny_pack_gated's), its KV pool
  * Returns 0; -3 (nothing written) when a slot is outside the pool; paged_decode_attention's -1 (scratch
  * not allocated) or -2 (heads or head_dim past its limits), after the layers before it were computed. */
 #include <stdint.h>
@@ -36,11 +38,13 @@ int paged_decode_attention(const float *q, int64_t q_row_stride, const float *kv
                            float scale, int num_threads);
 int skinny_linear(const float *x, int64_t x_stride, const float *panels, int64_t n, int64_t k,
                   const float *residual, float *out, int64_t rows, int num_threads);
-int silu_and_mul(const float *gate_up, float *out, int64_t rows, int64_t d, int num_threads);
+int skinny_gated_linear(const float *x, int64_t x_stride, const float *panels, int64_t d, int64_t k,
+                        float *out, int64_t rows, int num_threads);
 
 typedef struct {
     const float *input_norm, *post_norm;       /* [hidden] */
-    const float *qkv, *o, *gate_up, *down;     /* skinny_pack panels of [out, in] weights */
+    const float *qkv, *o, *gate_up, *down;     /* skinny_pack panels of [out, in] weights (gate_up:
+                                                  skinny_pack_gated's) */
     float *kv;                                 /* [num_blocks, block_size, 2, num_kv_heads, head_dim] */
 } llama_layer;
 
@@ -51,7 +55,7 @@ typedef struct {
 
 int64_t llama_decode_scratch_floats(const llama_dims *d, int64_t rows) {
     const int64_t q = d->num_heads * d->head_dim, kv = d->num_kv_heads * d->head_dim;
-    return rows * (d->hidden + (q + 2 * kv) + (q + kv) + q + 3 * d->intermediate);
+    return rows * (d->hidden + (q + 2 * kv) + (q + kv) + q + d->intermediate);
 }
 
 int llama_decode_layers(const llama_layer *layers, int64_t num_layers, const llama_dims *d, float *hidden,
@@ -64,7 +68,7 @@ int llama_decode_layers(const llama_layer *layers, int64_t num_layers, const lla
     const int64_t q_width = d->num_heads * hd, kv_width = d->num_kv_heads * hd;
     const int64_t qk_width = q_width + kv_width, qkv_width = qk_width + kv_width;
     float *x = scratch, *qkv = x + rows * h, *qk = qkv + rows * qkv_width, *attn = qk + rows * qk_width;
-    float *gate_up = attn + rows * q_width, *act = gate_up + rows * 2 * inter;
+    float *act = attn + rows * q_width;
     for (int64_t l = 0; l < num_layers; l++) {
         const llama_layer *layer = layers + l;
         rms_norm(hidden, h, layer->input_norm, x, rows, h, d->eps, num_threads);
@@ -78,8 +82,7 @@ int llama_decode_layers(const llama_layer *layers, int64_t num_layers, const lla
         if (status) return status;
         skinny_linear(attn, q_width, layer->o, h, q_width, hidden, hidden, rows, num_threads);
         rms_norm(hidden, h, layer->post_norm, x, rows, h, d->eps, num_threads);
-        skinny_linear(x, h, layer->gate_up, 2 * inter, h, 0, gate_up, rows, num_threads);
-        silu_and_mul(gate_up, act, rows, inter, num_threads);
+        skinny_gated_linear(x, h, layer->gate_up, inter, h, act, rows, num_threads);
         skinny_linear(act, inter, layer->down, h, inter, hidden, hidden, rows, num_threads);
     }
     return 0;

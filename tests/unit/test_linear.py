@@ -1,6 +1,7 @@
 """engine/linear.py: every path of a layer — MKL's `F.linear` on the plain weight, the C kernel on its
 packed copy, oneDNN's GEMM on the prepacked weight — computes x @ weight.T to fp32 rounding, with and
-without the residual sum, on row counts either side of the calibrated ones; calibration sets a path per
+without the residual sum, on row counts either side of the calibrated ones, and a gated layer SwiGLU of its
+gate and up on each; calibration sets a path per
 calibrated row count, a call takes its bucket's, and oneDNN takes what no bucket covers."""
 
 from __future__ import annotations
@@ -20,6 +21,7 @@ from pdserve.engine.linear import (
     Linear,
     calibrate_paths,
     fused,
+    gated,
     linears_of,
     path_of,
     weights_from_memory,
@@ -59,6 +61,20 @@ def test_fused_is_the_layers_side_by_side() -> None:
         out = fused(q, k)(x)
         torch.testing.assert_close(out[:, :32], F.linear(x, q), rtol=1e-5, atol=1e-5)
         torch.testing.assert_close(out[:, 32:], F.linear(x, k), rtol=1e-5, atol=1e-5)
+
+
+@pytest.mark.parametrize("path", [MKL, SKINNY, ONEDNN])
+@pytest.mark.parametrize("rows", [1, 5, 8, 33, 130])
+def test_a_gated_layer_is_swiglu_of_its_gate_and_up_on_every_path(rows: int, path: str, monkeypatch) -> None:
+    monkeypatch.setattr(linear, "_PATHS", dict.fromkeys(CALIBRATED_ROWS, path))
+    g = torch.Generator().manual_seed(rows)
+    gate, up, x = (torch.randn(s, generator=g) for s in ((40, 64), (40, 64), (rows, 64)))
+    layer = gated(gate, up)
+    assert layer._path(x) == path and layer.out_features == 40
+    want = F.silu(x.double() @ gate.double().T) * (x.double() @ up.double().T)
+    torch.testing.assert_close(layer(x).double(), want, rtol=1e-4, atol=1e-4)
+    with pytest.raises(TypeError, match="nothing is added"):
+        layer.add(x, torch.zeros(rows, 40))
 
 
 def test_calibration_sets_a_path_for_each_row_count_and_leaves_the_rng_alone(monkeypatch) -> None:

@@ -36,10 +36,9 @@ import torch.nn.functional as F
 from pdserve.engine.device import CPU
 from pdserve.engine.forward_batch import ForwardBatch
 from pdserve.engine.kimi_linear_config import KDA, SPARSE, KimiLinearConfig
-from pdserve.engine.linear import Linear, fused
+from pdserve.engine.linear import Linear, fused, gated
 from pdserve.engine.model_family import CacheSpec, LayerHook, placed
 from pdserve.engine.state_pool import StateLayout, StatePool, StateTensor
-from pdserve.kernels.activation import silu_and_mul
 from pdserve.kernels.gated_delta_rule import gated_delta_rule_chunked, gated_delta_rule_step, l2_normalize
 from pdserve.kernels.mla import MLAWeights, mla_attention, split_up_proj, store_latent
 from pdserve.kernels.moe import route_topk
@@ -55,11 +54,11 @@ class _SwiGLU:
     """`down(silu(gate(x)) * up(x))`, gate and up as one GEMM."""
 
     def __init__(self, gate: torch.Tensor, up: torch.Tensor, down: torch.Tensor) -> None:
-        self.gate_up = fused(gate, up)
+        self.gate_up = gated(gate, up)
         self.down = Linear(down)
 
     def hidden(self, x: torch.Tensor) -> torch.Tensor:
-        return silu_and_mul(self.gate_up(x))
+        return self.gate_up(x)
 
 
 class _MoE:

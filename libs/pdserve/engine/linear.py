@@ -34,6 +34,7 @@ import torch
 import torch.nn.functional as F
 
 from pdserve.kernels import skinny_linear as skinny
+from pdserve.kernels.activation import silu_and_mul
 
 log = logging.getLogger(__name__)
 
@@ -74,7 +75,10 @@ class Linear:
                         if _onednn_usable(weight) else None)
         # the C kernel's copy, only beside oneDNN's (without oneDNN every call is F.linear's)
         packable = self._packed is not None and skinny.takes_weight(self.weight)
-        self._panels = skinny.pack(self.weight) if packable else None
+        self._panels = self._pack() if packable else None
+
+    def _pack(self) -> torch.Tensor:
+        return skinny.pack(self.weight)
 
     @property
     def panels(self) -> torch.Tensor | None:
@@ -109,10 +113,39 @@ class Linear:
         return torch.add(residual, F.linear(x, self.weight))
 
 
+class GatedLinear(Linear):
+    """SwiGLU's gate and up projections (Shazeer 2020, https://arxiv.org/abs/2002.05202) as one layer:
+    `weight` [2 d, in_features] fp32, gate's d rows then up's; a call takes `x` [rows, in_features] and
+    returns `silu(x @ gate.T) * (x @ up.T)`, [rows, d] (`out_features` = d). On the C kernel the
+    activation is the GEMM's epilogue (`skinny_linear.skinny_gated_linear`, its packed copy
+    `pack_gated`'s), on the other paths the GEMM's [rows, 2 d] output goes through `silu_and_mul`: `run`
+    gives the same on every path, so `calibrate_paths` times each with its activation."""
+
+    def __init__(self, weight: torch.Tensor) -> None:
+        super().__init__(weight)
+        self.out_features = weight.shape[0] // 2
+
+    def _pack(self) -> torch.Tensor:
+        return skinny.pack_gated(self.weight)
+
+    def run(self, path: str, x: torch.Tensor) -> torch.Tensor:
+        if path == SKINNY:
+            return skinny.skinny_gated_linear(x, self._panels, self.out_features)
+        return silu_and_mul(super().run(path, x))
+
+    def add(self, x: torch.Tensor, residual: torch.Tensor) -> torch.Tensor:
+        raise TypeError("a gated layer's output is an activation: nothing is added to it")
+
+
 def fused(*weights: torch.Tensor) -> Linear:
     """One Linear whose output is the given layers' outputs side by side (their weights stacked on dim 0),
     e.g. q, k and v projections as one GEMM: `out[:, :q_out]` is q's, and so on."""
     return Linear(torch.cat(weights, dim=0))
+
+
+def gated(gate: torch.Tensor, up: torch.Tensor) -> GatedLinear:
+    """SwiGLU's gate [d, in] and up [d, in] projections as one `GatedLinear`: silu(x gate^T) * (x up^T)."""
+    return GatedLinear(torch.cat((gate, up), dim=0))
 
 
 def best_time_s(fn: Callable[[], object], reps: int) -> float:

@@ -15,11 +15,10 @@ import torch.nn.functional as F
 
 from pdserve.engine.device import CPU
 from pdserve.engine.forward_batch import ForwardBatch
-from pdserve.engine.linear import SKINNY, Linear, fused, path_of
+from pdserve.engine.linear import SKINNY, Linear, fused, gated, path_of
 from pdserve.engine.model_config import LlamaConfig
 from pdserve.engine.model_family import CacheSpec, LayerHook, placed
 from pdserve.engine.state_pool import StatePool
-from pdserve.kernels.activation import silu_and_mul
 from pdserve.kernels.llama_decode import DecodeLayers, LayerWeights
 from pdserve.kernels.paged_attention import paged_attention, store_kv
 from pdserve.kernels.rms_norm import rms_norm
@@ -38,7 +37,7 @@ class _Layer:
         self.qkv = fused(*(weight(p + f"self_attn.{n}_proj.weight") for n in "qkv"))
         self.o = Linear(weight(p + "self_attn.o_proj.weight"))
         self.post_norm = weight(p + "post_attention_layernorm.weight")
-        self.gate_up = fused(weight(p + "mlp.gate_proj.weight"), weight(p + "mlp.up_proj.weight"))
+        self.gate_up = gated(weight(p + "mlp.gate_proj.weight"), weight(p + "mlp.up_proj.weight"))
         self.down = Linear(weight(p + "mlp.down_proj.weight"))
 
 
@@ -125,7 +124,7 @@ class LlamaModel:
             attn = paged_attention(qk[:, : cfg.num_heads], kv_cache[index], batch.attention)
             hidden = layer.o.add(attn.reshape(num_tokens, cfg.num_heads * cfg.head_dim), hidden)
             x = rms_norm(hidden, layer.post_norm, cfg.rms_norm_eps)
-            hidden = layer.down.add(silu_and_mul(layer.gate_up(x)), hidden)
+            hidden = layer.down.add(layer.gate_up(x), hidden)  # gate_up: silu(gate) * up
         return self._logits(hidden, batch)
 
     def _logits(self, hidden: torch.Tensor, batch: ForwardBatch) -> torch.Tensor:
