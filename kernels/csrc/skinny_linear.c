@@ -48,9 +48,7 @@
  * over the product, which had left the GEMM's output for L2 and L3, is gone (SmolLM2, 128-token prefill,
  * one thread: the 30 layers' silu_and_mul calls took 7.4-7.8 ms of a 260 ms step on an Intel Xeon host).
  * Measured there: the gate/up GEMM and its silu 12% faster at 128-256 rows, a 128- or 256-token prefill
- * 3% (one and two threads, in turn in one process). With AVX-512 the epilogue takes the two accumulator
- * vectors as they are: through a copy on the stack (as the AVX2 build's 8-float halves go) the same GEMM
- * was 18% slower than the plain one at 128 rows.
+ * 3% (one and two threads, in turn in one process).
  *
  * Layouts (row-major fp32): x [rows, k], rows x_stride floats apart; w [n, k] contiguous (gated: [2 d, k],
  * gate's d rows then up's); panels [ceil(n / NR), k, NR] (gated: [ceil(d / (NR / 2)), k, NR]); residual
@@ -110,14 +108,18 @@ int skinny_pack_gated(const float *w, int64_t d, int64_t k, float *panels, int n
     return 0;
 }
 
-/* out[q] = silu(g[q]) * u[q] for the NR/2 lanes of a gated panel, as silu_and_mul.c computes it. */
-static inline void silu_mul_half(const float *g, const float *u, float *out) {
-    float gl[16] = {0}, ul[16] = {0}, o[16];
-    memcpy(gl, g, NR / 2 * sizeof(float));
-    memcpy(ul, u, NR / 2 * sizeof(float));
-    const v16 gv = load16(gl);
-    store16(o, silu16(gv) * load16(ul));
-    memcpy(out, o, NR / 2 * sizeof(float));
+/* silu(gate) * up of a gated panel's NR/2 outputs, from its accumulators (vector 0: gate's, vector 1: up's),
+ * in the first NR/2 lanes, as silu_and_mul.c computes it. With AVX-512 the two vectors are taken as they
+ * are: through a copy on the stack the gated GEMM was 18% slower than the plain one at 128 rows. */
+static inline v16 swiglu_half(const vec acc[NV]) {
+#ifdef __AVX512F__
+    return silu16(acc[0]) * acc[1];
+#else
+    float g[16] = {0}, u[16] = {0};
+    memcpy(g, &acc[0], sizeof acc[0]);
+    memcpy(u, &acc[1], sizeof acc[1]);
+    return silu16(load16(g)) * load16(u);
+#endif
 }
 
 /* Rows [m0, m0 + group) of x against panel w (output features j0 .. j0 + width of out's n; `gated`: the
@@ -147,26 +149,18 @@ static inline __attribute__((always_inline)) void panel_rows(
     }
     for (int64_t m = 0; m < group; m++) {
         const int64_t row = (m0 + m) * n + j0;
-#ifdef __AVX512F__
-        if (gated) { /* a panel's halves are its two vectors: gate's and up's, in registers */
-            const v16 act = silu16(acc[m][0]) * acc[m][1];
-            if (width == LANES)
+        if (gated) {
+            const v16 act = swiglu_half(acc[m]);
+            if (width == 16)
                 store16(out + row, act);
             else
                 memcpy(out + row, &act, (size_t)width * sizeof(float));
             continue;
         }
-#endif
         float sums[NR];
         memcpy(sums, acc[m], sizeof sums);
-        if (gated) {
-            float act[NR / 2];
-            silu_mul_half(sums, sums + NR / 2, act);
-            memcpy(out + row, act, (size_t)width * sizeof(float));
-        } else {
-            for (int64_t q = 0; q < width; q++)
-                out[row + q] = (residual != NULL ? residual[row + q] : 0.0f) + sums[q];
-        }
+        for (int64_t q = 0; q < width; q++)
+            out[row + q] = (residual != NULL ? residual[row + q] : 0.0f) + sums[q];
     }
 }
 
