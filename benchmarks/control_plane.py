@@ -116,13 +116,14 @@ async def one_run(url: str, database_url: str | None, n: int, input_len: int, ou
     cpu_before, t0 = meter.read(), time.monotonic()
     result = await run_load(url, samples, load, progress=True)
     wall_s, cpu_after = time.monotonic() - t0, meter.read()
+    cpu_s = sum(cpu_after.values()) - sum(cpu_before.values())
     ok = [r for r in result.records if r.success]
     out: dict = {"client_ttft_s": [r.ttft_s for r in ok], "failed": len(result.records) - len(ok),
                  "errors": sorted({r.error[:200] for r in result.records if not r.success})[:3],
                  "cpu_ms_per_request": CpuMeter.per_request(cpu_before, cpu_after, len(result.records)),
-                 "busy": sum(cpu_after.values()) - sum(cpu_before.values()),
+                 # the share of the machine's cores these processes kept busy
+                 "busy": cpu_s / (wall_s * (os.cpu_count() or 1)),
                  "wall_s": wall_s}
-    out["busy"] /= wall_s * (os.cpu_count() or 1)  # the share of the machine's cores these processes used
     if database_url:
         ids = [r.request_id for r in ok if r.request_id]
         breakdowns = await fetch_breakdowns(database_url, ids)

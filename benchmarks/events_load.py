@@ -15,10 +15,10 @@ from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 
 import httpx
-import psutil
 import sqlalchemy as sa
 from nats.js.api import AckPolicy, ConsumerConfig, DeliverPolicy
 
+from pdserve.bench.cpu_time import CpuMeter
 from pdserve.bus import Bus
 from pdserve.config import CommonSettings
 from pdserve.events import (
@@ -137,16 +137,8 @@ def drain_cpu_s(recorder_pid: int) -> dict[str, float]:
     """CPU seconds (user + system) so far of the recorder process, of all Postgres processes and of all
     nats-server processes on this machine (those serve only this benchmark's drain while it runs, give or
     take the other sessions sharing the machine)."""
-    out = {"recorder": 0.0, "postgres": 0.0, "nats-server": 0.0}
-    for proc in psutil.process_iter(["name"]):
-        name = "recorder" if proc.pid == recorder_pid else proc.info["name"]
-        if name in out:
-            try:
-                t = proc.cpu_times()
-            except psutil.Error:
-                continue
-            out[name] += t.user + t.system
-    return out
+    return CpuMeter({"recorder": [(recorder_pid, False)]},
+                    {"postgres": ("postgres",), "nats-server": ("nats-server",)}).read()
 
 
 async def bare_drain(bus: Bus, stream: str, n: int) -> tuple[float, float]:
@@ -196,14 +188,8 @@ async def until_caught_up(settings: CommonSettings, timeout_s: float = 120.0) ->
 
 def stack_cpu_s(stack: Stack) -> dict[str, float]:
     """user + system CPU seconds so far of each live process of the stack."""
-    out = {}
-    for name, proc in stack.procs.items():
-        try:
-            t = psutil.Process(proc.pid).cpu_times()
-            out[name] = t.user + t.system
-        except psutil.Error:
-            pass
-    return out
+    return CpuMeter({name: [(proc.pid, False)] for name, proc in stack.procs.items()
+                     if proc.poll() is None}).read()
 
 
 async def publish_rate(url: str, n: int) -> float:

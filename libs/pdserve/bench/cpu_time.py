@@ -18,7 +18,7 @@ import psutil
 from pdserve.stack_state import StackState
 
 # the machine's own NATS and Postgres (a stack that brings none of its own uses them): matched by name
-SHARED_SERVERS = {"NATS": ("nats-server",), "Postgres": ("postgres", "postgresql")}
+SHARED_SERVERS = {"NATS": ("nats-server",), "Postgres": ("postgres",)}
 WORKER_ROLES = ("prefill", "decode", "unified")
 
 
@@ -35,9 +35,9 @@ class CpuMeter:
     """`read()` → CPU seconds per name so far; `per_request(before, after, n)` → ms per request.
 
     `groups` maps a name to processes by pid, each with or without its descendants as they are at each read
-    (an embedded Postgres starts a process per connection), and `by_name` a name to process names looked up
-    on the machine at each read. A process that exits between two reads loses its time (none of these
-    does during a load)."""
+    (an embedded Postgres starts a process per connection), and `by_name` a name to the process names
+    (exact) of every process on the machine that counts for it, looked up at each read. A process that
+    exits between two reads loses its time (none of these does during a load)."""
 
     groups: dict[str, list[tuple[int, bool]]] = field(default_factory=dict)
     by_name: dict[str, tuple[str, ...]] = field(default_factory=dict)
@@ -50,7 +50,7 @@ class CpuMeter:
         if self.by_name:
             for proc in psutil.process_iter(["name"]):
                 for name, patterns in self.by_name.items():
-                    if (proc.info["name"] or "").startswith(patterns) and (t := _cpu_s(proc)) is not None:
+                    if proc.info["name"] in patterns and (t := _cpu_s(proc)) is not None:
                         totals[name] += t
         return totals
 

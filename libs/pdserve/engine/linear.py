@@ -82,7 +82,8 @@ class Linear:
 
     @property
     def panels(self) -> torch.Tensor | None:
-        """The C kernel's packed copy of the weight (`skinny_linear.pack`), None where it has none."""
+        """The C kernel's packed copy of the weight (`skinny_linear.pack`; a `GatedLinear`'s `pack_gated`),
+        None where it has none."""
         return self._panels
 
     def _path(self, x: torch.Tensor) -> str:
